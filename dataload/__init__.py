@@ -1,0 +1,1 @@
+"""Node-local memory-mapped sample cache and the exactly-once, resize-aware sampler."""

@@ -1,0 +1,1 @@
+"""The control plane: coordinator, node agents, heartbeats, generations and the ``p2p-run`` CLI."""

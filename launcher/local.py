@@ -1,0 +1,230 @@
+"""Run one function on a group of local worker processes that form a process group.
+
+This is the small, in-process way to start ranks (tests, benchmarks, the demo) without the full
+control plane: the parent hosts the rendezvous ``TCPStore`` on a port the OS picks (no port races),
+spawns ``world_size`` fresh interpreters, gives each the torchrun environment and an initialised
+default process group, and collects each rank's return value.
+
+The parent never blocks without a deadline. When a rank fails, every other rank is killed at once;
+when the deadline passes, every live rank dumps its Python stacks (``faulthandler`` on SIGUSR1)
+before it is killed, so a hang is diagnosable from the test log.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+logger = logging.getLogger(__name__)
+
+#: How long a rank that was told to dump its stacks gets before it is killed.
+_STACK_DUMP_GRACE_S = 2.0
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker group did not finish as expected: a rank failed, or the deadline passed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerGroupConfig:
+    """How to start a local worker group."""
+
+    world_size: int
+    """Number of ranks."""
+    ranks_per_node: int = 0
+    """Ranks per emulated node (sets LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK); 0 means one node."""
+    backend: str = "gloo"
+    """Backend of the default process group; "none" starts the ranks without one."""
+    timeout_s: float = 120.0
+    """Deadline for the whole group, start-up included."""
+    pg_timeout_s: float = 60.0
+    """Collective timeout of the default process group."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for every rank."""
+    expected_exit: Mapping[int, int] = field(default_factory=dict)
+    """Ranks that are meant to end abnormally, with the exit code expected (``-9`` for SIGKILL)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        rpn = self.ranks_per_node or self.world_size
+        if self.world_size % rpn:
+            raise ValueError(
+                f"world_size={self.world_size} is not a multiple of ranks_per_node={rpn}; "
+                "every emulated node must have the same number of ranks"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def _worker_entry(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    rank: int,
+    cfg: WorkerGroupConfig,
+    store_port: int,
+    result_path: str,
+) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    rpn = cfg.ranks_per_node or cfg.world_size
+    os.environ.update(cfg.env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(cfg.world_size),
+        LOCAL_RANK=str(rank % rpn),
+        LOCAL_WORLD_SIZE=str(rpn),
+        GROUP_RANK=str(rank // rpn),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+    )
+    import torch.distributed as dist
+
+    if cfg.backend != "none":
+        store = dist.TCPStore(
+            "127.0.0.1",
+            store_port,
+            cfg.world_size,
+            is_master=False,
+            timeout=timedelta(seconds=cfg.pg_timeout_s),
+        )
+        dist.init_process_group(
+            cfg.backend,
+            store=store,
+            rank=rank,
+            world_size=cfg.world_size,
+            timeout=timedelta(seconds=cfg.pg_timeout_s),
+        )
+    try:
+        result = fn(*args)
+        with open(result_path + ".tmp", "wb") as f:
+            f.write(msgpack.packb(result, use_bin_type=True))
+        os.replace(result_path + ".tmp", result_path)
+    finally:
+        if cfg.backend != "none" and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(
+    fn: Callable[..., Any],
+    cfg: WorkerGroupConfig,
+    args: Sequence[Any] = (),
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``cfg.world_size`` fresh processes and return their results.
+
+    ``fn`` must be importable (a module-level function) and return msgpack-serialisable data.
+    Inside ``fn`` the default process group is initialised (unless ``backend="none"``) and the
+    torchrun environment variables are set.
+
+    Args:
+        fn: The per-rank function.
+        cfg: Group size, backend and deadlines.
+        args: Positional arguments for ``fn`` (sent to the child by multiprocessing's spawn).
+
+    Returns:
+        One entry per rank: the return value of ``fn``, or ``None`` for a rank listed in
+        ``cfg.expected_exit``.
+
+    Raises:
+        WorkerGroupError: a rank failed (non-zero exit not listed in ``expected_exit``), a listed
+            rank ended differently, or the group outlived ``cfg.timeout_s``.
+    """
+    import torch.distributed as dist
+
+    ctx = multiprocessing.get_context("spawn")
+    store = None
+    if cfg.backend != "none":
+        # The parent owns the store, so its port is bound before any rank starts.
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            cfg.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=cfg.pg_timeout_s),
+        )
+    store_port = store.port if store is not None else 0
+    procs: list[multiprocessing.process.BaseProcess] = []
+    with tempfile.TemporaryDirectory(prefix="p2p-local-") as tmp:
+        result_paths = [str(Path(tmp) / f"rank{r}.msgpack") for r in range(cfg.world_size)]
+        try:
+            for rank in range(cfg.world_size):
+                p = ctx.Process(
+                    target=_worker_entry,
+                    args=(fn, args, rank, cfg, store_port, result_paths[rank]),
+                    name=f"rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+            _wait_all(procs, cfg)
+            results: list[Any] = []
+            for rank, path in enumerate(result_paths):
+                if rank in cfg.expected_exit:
+                    results.append(None)
+                    continue
+                with open(path, "rb") as f:
+                    results.append(msgpack.unpackb(f.read(), raw=False, strict_map_key=False))
+            return results
+        finally:
+            _kill_all(procs)
+            del store
+
+
+def _wait_all(procs: list[multiprocessing.process.BaseProcess], cfg: WorkerGroupConfig) -> None:
+    deadline = time.monotonic() + cfg.timeout_s
+    pending = {p.sentinel: rank for rank, p in enumerate(procs)}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _dump_and_kill(procs, [pending[s] for s in pending])
+            raise WorkerGroupError(
+                f"ranks {sorted(pending.values())} still running after {cfg.timeout_s:.0f}s "
+                "(WorkerGroupConfig.timeout_s); their stacks were dumped to stderr"
+            )
+        for sentinel in multiprocessing.connection.wait(list(pending), timeout=remaining):
+            rank = pending.pop(sentinel)
+            procs[rank].join()
+            code = procs[rank].exitcode
+            expected = cfg.expected_exit.get(rank, 0)
+            if code != expected:
+                _kill_all(procs)
+                raise WorkerGroupError(
+                    f"rank {rank} exited with code {code}, expected {expected}; "
+                    "the other ranks were killed (see the rank's stderr above)"
+                )
+
+
+def _dump_and_kill(procs: list[multiprocessing.process.BaseProcess], ranks: list[int]) -> None:
+    for rank in ranks:
+        if procs[rank].is_alive() and procs[rank].pid is not None:
+            try:
+                os.kill(procs[rank].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _STACK_DUMP_GRACE_S
+    for rank in ranks:
+        procs[rank].join(timeout=max(0.0, deadline - time.monotonic()))
+    _kill_all(procs)
+
+
+def _kill_all(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            logger.error("process %s (pid %s) survived SIGKILL for 10s", p.name, p.pid)

@@ -1,0 +1,1 @@
+"""In-rank recovery: interrupt, rebuild communicators, plan and run the restore, DCP fallback."""
