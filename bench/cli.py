@@ -1,0 +1,43 @@
+"""``p2p-bench``: benchmarks and failure injection.
+
+Each subcommand lives in its own module that defines ``add_arguments(parser)`` and
+``run(args) -> int``; this file only dispatches, importing the module of the chosen subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+#: subcommand -> (module, one-line help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "replicate": (
+        "bench.replicate_bench",
+        "replication bandwidth, step overhead and snapshot speed on the example model",
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``p2p-bench`` console script."""
+    parser = argparse.ArgumentParser(prog="p2p-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(p)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("p2p-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The data plane: layout, snapshots, buddy placement and replication of every rank's shard."""
