@@ -1,0 +1,127 @@
+"""Where snapshot and replica bytes live, how much there is room for, and their checksums.
+
+Three kinds of memory: GPU memory (fastest to copy to and from the training state, uses HBM),
+pinned host memory (page-locked, so GPU<->host copies are DMA at full PCIe speed), and plain
+host memory (the only kind on a CPU-only build).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import zlib
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryKind(str, enum.Enum):
+    """Kind of memory a buffer is allocated in."""
+
+    GPU = "gpu"
+    PINNED = "pinned"
+    HOST = "host"
+
+
+class InsufficientMemoryError(ValueError):
+    """The configured snapshots and replicas would not fit in the memory they are meant for."""
+
+
+def resolve_kind(requested: str, device: torch.device) -> MemoryKind:
+    """Turn a configured kind (``auto`` or a :class:`MemoryKind` value) into a concrete kind.
+
+    ``auto`` means GPU memory when training on a GPU, plain host memory otherwise.
+
+    Raises:
+        ValueError: ``gpu`` or ``pinned`` asked for where there is no CUDA device.
+    """
+    if requested == "auto":
+        return MemoryKind.GPU if device.type == "cuda" else MemoryKind.HOST
+    kind = MemoryKind(requested)
+    if kind in (MemoryKind.GPU, MemoryKind.PINNED) and not torch.cuda.is_available():
+        raise ValueError(
+            f"ReplicationConfig.memory={requested!r} needs a CUDA device and none is available; "
+            "use memory='host' (or 'auto')"
+        )
+    return kind
+
+
+def allocate(nbytes: int, kind: MemoryKind, device: torch.device) -> torch.Tensor:
+    """A 1-D ``uint8`` buffer of ``nbytes`` bytes of the given kind (contents undefined)."""
+    if kind is MemoryKind.GPU:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind is MemoryKind.PINNED)
+
+
+def available_bytes(kind: MemoryKind, device: torch.device) -> int:
+    """Memory of this kind that is free now (GPU: the device's free memory; host: MemAvailable)."""
+    if kind is MemoryKind.GPU:
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(
+    needed: dict[MemoryKind, int], device: torch.device, max_fraction: float, what: str
+) -> None:
+    """Refuse, with a message naming the numbers and the fix, what would not fit.
+
+    Args:
+        needed: Bytes to allocate per kind of memory.
+        device: The training device (for GPU memory).
+        max_fraction: Largest share of the currently free memory the engine may take.
+        what: Description of the allocation for the message.
+    """
+    for kind, nbytes in needed.items():
+        free = available_bytes(kind, device)
+        if nbytes > max_fraction * free:
+            raise InsufficientMemoryError(
+                f"{what} needs {nbytes / 2**30:.2f} GiB of {kind.value} memory but only "
+                f"{free / 2**30:.2f} GiB is free and ReplicationConfig.max_memory_fraction is "
+                f"{max_fraction}; lower the replication factor k, use another memory kind, or "
+                "shard over more ranks"
+            )
+
+
+#: Checksum algorithms; the id travels in every snapshot header so mismatched peers never compare.
+CRC32 = 1
+WSUM64 = 2
+
+_WSUM_CHUNK = 1 << 24
+_MASK64 = (1 << 64) - 1
+
+
+def checksum_algo(buf: torch.Tensor) -> int:
+    """The algorithm used for a buffer: CRC-32 on the host, a weighted sum on the GPU."""
+    return WSUM64 if buf.is_cuda else CRC32
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """Checksum of a 1-D ``uint8`` buffer, computed where the buffer lives.
+
+    On the host this is CRC-32 (zlib releases the GIL, so it overlaps with training). On the GPU
+    it is a position-weighted sum of 32-bit words, computed on the device so that no byte crosses
+    PCIe; any single flipped byte changes both the plain and the weighted sum.
+    """
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    if not buf.is_cuda:
+        return zlib.crc32(buf.numpy()) & 0xFFFFFFFF
+    assert buf.numel() % 4 == 0, "GPU buffers are allocated in multiples of the layout alignment"
+    words = buf.view(torch.int32)
+    plain = torch.zeros((), dtype=torch.int64, device=buf.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=buf.device)
+    for start in range(0, words.numel(), _WSUM_CHUNK):
+        chunk = words[start : start + _WSUM_CHUNK].to(torch.int64)
+        pos = torch.arange(start + 1, start + 1 + chunk.numel(), device=buf.device)
+        plain += chunk.sum()
+        weighted += (chunk * pos).sum()
+    return ((int(plain) & 0xFFFFFFFF) << 32 | (int(weighted) & 0xFFFFFFFF)) & _MASK64

@@ -1,0 +1,457 @@
+"""Replication of every rank's snapshot to its buddies, off the training thread.
+
+After the optimizer step of step ``s`` the training loop calls :meth:`Replicator.replicate`. That
+copies the live state into the free snapshot slot (a few large copies; on a GPU on a side stream)
+and hands the step to a worker thread, which checksums the snapshot, sends it to the ranks that
+hold this rank's replica and receives the replicas this rank holds, in chunks, with batched
+``isend``/``irecv`` on a process group of its own. The next forward and backward run meanwhile.
+
+A round ends with a commit barrier (an all-reduce on the replication group): when it returns,
+every rank has its snapshot of ``s`` and every replica of ``s`` is complete, so ``s`` is the
+*committed step*, the state recovery rolls back to.
+
+Why a new snapshot waits for the previous round: the slot it overwrites holds step ``s - 1``. That
+is safe only once ``s`` is committed everywhere, otherwise a rank that died during round ``s``
+would leave the survivors with nothing common to roll back to. So ``replicate(s + 1)`` waits (up
+to ``timeout_s``) for round ``s``; when replication is slower than a training step, training is
+throttled to it rather than running ahead of what could be recovered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from p2p_state.config import ReplicationConfig
+from p2p_state.layout import LayoutMismatchError, StateLayout, check_same_structure
+from p2p_state.memory import (
+    MemoryKind,
+    check_fits,
+    checksum,
+    checksum_algo,
+    resolve_kind,
+)
+from p2p_state.placement import Placement, place
+from p2p_state.snapshot import HEADER_WORDS, DoubleBuffer, Slot, SnapshotHeader
+from p2p_state.state import TrainingState
+from p2p_state.transfer import Recv, Send, exchange, gather_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicationError(RuntimeError):
+    """Replication failed (a peer died, a deadline passed); the committed step stops advancing."""
+
+
+class ReplicaCorruptError(RuntimeError):
+    """A replica or snapshot failed its checksum and must not be restored from."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """A complete copy of ``owner``'s state at ``step`` held by this rank."""
+
+    owner: int
+    step: int
+    generation: int
+    layout_hash: str
+    nbytes: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class _Round:
+    step: int
+    slot: Slot
+    copied: Any  # torch.cuda.Event on a GPU, None on the host
+
+
+def _resolve_backend(config: ReplicationConfig, kind: MemoryKind) -> str:
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if kind is MemoryKind.GPU else "gloo"
+    if backend == "nccl" and kind is not MemoryKind.GPU:
+        raise ValueError(
+            f"ReplicationConfig.backend='nccl' moves GPU buffers only, but memory is "
+            f"{kind.value!r}; use memory='gpu', or backend='gloo' for host or pinned replicas"
+        )
+    if backend == "gloo" and kind is MemoryKind.GPU:
+        raise ValueError(
+            "ReplicationConfig.memory='gpu' needs backend='nccl' (gloo sends host tensors); "
+            "use memory='pinned' to keep replicas in host memory with gloo"
+        )
+    return backend
+
+
+class Replicator:
+    """Keeps this rank's snapshots and its buddies' replicas, and replicates every N steps.
+
+    Construction is collective: every rank of the default process group must create its
+    replicator at the same point (it creates the replication process group and exchanges
+    layouts). Ranks whose states differ in structure get a :class:`LayoutMismatchError`.
+
+    Args:
+        state: The live training state to snapshot.
+        config: Replication settings.
+        generation: Membership generation stamped on every snapshot header.
+        on_replicated: Called from the worker thread with each newly committed step.
+        progress_hook: Called from the worker thread as ``hook(step, round, num_rounds)`` after
+            each chunk round of a transfer (fault injection and progress reporting).
+    """
+
+    def __init__(
+        self,
+        state: TrainingState,
+        config: ReplicationConfig | None = None,
+        *,
+        generation: int = 0,
+        on_replicated: Callable[[int], None] | None = None,
+        progress_hook: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        self.state = state
+        self.config = config or ReplicationConfig()
+        self.generation = generation
+        self._on_replicated = on_replicated
+        self._progress_hook = progress_hook
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        first = next(iter(state.model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.kind = resolve_kind(self.config.memory, self.device)
+        self.backend = _resolve_backend(self.config, self.kind)
+        rpn = self.config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.placement: Placement = place(self.world_size, rpn, self.config.k)
+        for warning in self.placement.warnings():
+            logger.warning("replica placement: %s", warning)
+
+        self.group = dist.new_group(
+            backend=self.backend, timeout=timedelta(seconds=self.config.timeout_s)
+        )
+        self._wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        raw = gather_bytes(
+            state.layout.to_bytes(), self.group, self._wire_device, self.config.timeout_s
+        )
+        self.layouts = [StateLayout.from_bytes(b) for b in raw]
+        check_same_structure(self.layouts)
+        assert self.layouts[self.rank].layout_hash == state.layout.layout_hash
+
+        self.holders = self.placement.holders[self.rank]
+        self.owners = self.placement.held_by[self.rank]
+        own_bytes = 2 * state.layout.total_bytes
+        replica_bytes = 2 * sum(self.layouts[o].total_bytes for o in self.owners)
+        check_fits(
+            {self.kind: own_bytes + replica_bytes},
+            self.device,
+            self.config.max_memory_fraction,
+            f"rank {self.rank}'s snapshots (2 x {state.layout.total_bytes / 2**20:.1f} MiB) and "
+            f"replicas for ranks {list(self.owners)}",
+        )
+        logger.info(
+            "rank %d holds %.1f MiB of own snapshots and %.1f MiB of replicas (ranks %s) in %s "
+            "memory; its shard is held by ranks %s; %s over %s",
+            self.rank,
+            own_bytes / 2**20,
+            replica_bytes / 2**20,
+            list(self.owners),
+            self.kind.value,
+            list(self.holders),
+            state.layout.describe(),
+            self.backend,
+        )
+        self.own = DoubleBuffer(state.layout.total_bytes, self.kind, self.device)
+        self.replicas = {
+            o: DoubleBuffer(self.layouts[o].total_bytes, self.kind, self.device)
+            for o in self.owners
+        }
+        self.memory_bytes = {self.kind.value: own_bytes + replica_bytes}
+
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._committed = -1
+        self._failure: BaseException | None = None
+        self._queue: queue.Queue[_Round | None] = queue.Queue()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._last_copy: Any = None
+        self._fence_handle = None
+        if self._stream is not None and state.optimizer is not None:
+            # The next optimizer step must not overwrite parameters the side stream still copies.
+            self._fence_handle = state.optimizer.register_step_pre_hook(self._fence)
+        self._worker = threading.Thread(
+            target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
+        )
+        self._worker.start()
+
+    # -- training thread -----------------------------------------------------------------------
+
+    def replicate(self, step: int, extras: Mapping[str, Any] = {}) -> bool:
+        """Snapshot the state of ``step`` and replicate it in the background.
+
+        Call after ``optimizer.step()`` (and ``scheduler.step()``). Returns at once unless the
+        previous round is still running, in which case it first waits for that round.
+
+        Args:
+            step: The global step the state stands for (after its optimizer step).
+            extras: Small msgpack-able values to carry with the snapshot (e.g. a sampler
+                position); :meth:`restore_own` and friends return them.
+
+        Returns:
+            Whether a snapshot was taken (``False`` when ``step`` is not a multiple of
+            ``interval_steps``).
+
+        Raises:
+            ReplicationError: an earlier round failed, or the previous round outlived the
+                deadline.
+        """
+        if step % self.config.interval_steps:
+            return False
+        self._wait_idle()
+        slot = self.own.writable()
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self.state.capture(slot.buffer, step, extras)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+            self._last_copy = copied
+        else:
+            self.state.capture(slot.buffer, step, extras)
+            copied = None
+        with self._lock:
+            self._in_flight += 1
+        self._queue.put(_Round(step, slot, copied))
+        return True
+
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Wait until every queued round is committed; returns the committed step."""
+        self._wait_idle(timeout_s)
+        return self._committed
+
+    @property
+    def committed_step(self) -> int:
+        """The latest step every rank has snapshotted and replicated (-1 before the first)."""
+        return self._committed
+
+    def _wait_idle(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        with self._idle:
+            done = self._idle.wait_for(
+                lambda: self._in_flight == 0 or self._failure is not None, timeout=timeout_s
+            )
+            if self._failure is not None:
+                raise ReplicationError(f"replication failed: {self._failure}") from self._failure
+            if not done:
+                raise ReplicationError(
+                    f"rank {self.rank}: the previous replication round did not finish within "
+                    f"{timeout_s:.0f}s (ReplicationConfig.timeout_s)"
+                )
+
+    def _fence(self, *_: Any) -> None:
+        if self._last_copy is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+
+    # -- worker thread -------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self._failure is None:
+                    self._run_round(job)
+            except BaseException as e:
+                logger.error("rank %d: replication of step %d failed: %s", self.rank, job.step, e)
+                with self._lock:
+                    self._failure = e
+            finally:
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
+
+    def _run_round(self, job: _Round) -> None:
+        ctx = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            if job.copied is not None:
+                job.copied.synchronize()
+            layout = self.state.layout
+            header = SnapshotHeader(
+                step=job.step,
+                generation=self.generation,
+                layout_hash=layout.layout_hash,
+                nbytes=layout.total_bytes,
+                checksum=checksum(job.slot.buffer[: layout.total_bytes]),
+                algo=checksum_algo(job.slot.buffer),
+            )
+            with self._lock:
+                self.own.publish(job.slot, header)
+            incoming = self._exchange_headers(header)
+            with self._lock:
+                slots = {o: self.replicas[o].writable() for o in self.owners}
+
+            def progress(i: int, n: int) -> None:
+                if self._progress_hook is not None:
+                    self._progress_hook(job.step, i, n)
+
+            exchange(
+                [Send(h, job.slot.buffer[: layout.total_bytes]) for h in self.holders],
+                [Recv(o, slots[o].buffer[: incoming[o].nbytes]) for o in self.owners],
+                self.group,
+                chunk_bytes=self.config.chunk_bytes,
+                timeout_s=self.config.timeout_s,
+                on_chunk=progress,
+            )
+            for o in self.owners:
+                with self._lock:
+                    self.replicas[o].publish(slots[o], incoming[o])
+                if self.config.verify_on_receive and not slots[o].verify():
+                    logger.error("replica of rank %d at step %d is unusable", o, job.step)
+            self._commit(job.step)
+
+    def _exchange_headers(self, mine: SnapshotHeader) -> dict[int, SnapshotHeader]:
+        out_t = mine.to_tensor().to(self._wire_device)
+        in_t = {
+            o: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._wire_device)
+            for o in self.owners
+        }
+        exchange(
+            [Send(h, out_t.view(torch.uint8)) for h in self.holders],
+            [Recv(o, in_t[o].view(torch.uint8)) for o in self.owners],
+            self.group,
+            chunk_bytes=self.config.chunk_bytes,
+            timeout_s=self.config.timeout_s,
+        )
+        headers = {}
+        for o, t in in_t.items():
+            header = SnapshotHeader.from_tensor(t)
+            expected = self.layouts[o]
+            if header.layout_hash != expected.layout_hash:
+                raise LayoutMismatchError(
+                    f"rank {o} sent a snapshot of layout {header.layout_hash} but announced "
+                    f"{expected.describe()}; refusing to store it as its replica"
+                )
+            if header.step != mine.step or header.nbytes != expected.total_bytes:
+                raise ReplicationError(
+                    f"rank {o} sent step {header.step} ({header.nbytes} bytes) while this rank "
+                    f"replicates step {mine.step} ({expected.total_bytes} bytes expected)"
+                )
+            headers[o] = header
+        return headers
+
+    def _commit(self, step: int) -> None:
+        t = torch.tensor([step], dtype=torch.int64, device=self._wire_device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        if not work.wait(timeout=timedelta(seconds=self.config.timeout_s)):
+            raise ReplicationError(f"commit barrier of step {step} timed out")
+        with self._lock:
+            self._committed = int(t.item())
+        if self._on_replicated is not None:
+            self._on_replicated(self._committed)
+
+    # -- queries (the recovery planner's view) -------------------------------------------------
+
+    def holdings(self) -> dict[int, list[ReplicaInfo]]:
+        """Complete replicas this rank holds: ``{owner: [ReplicaInfo, ...]}``, oldest first."""
+        with self._lock:
+            out = {}
+            for owner, buf in self.replicas.items():
+                infos = []
+                for step in buf.complete_steps():
+                    h = buf.find(step).header
+                    infos.append(
+                        ReplicaInfo(
+                            owner, h.step, h.generation, h.layout_hash, h.nbytes, h.checksum
+                        )
+                    )
+                out[owner] = infos
+            return out
+
+    def own_steps(self) -> list[int]:
+        """Steps of this rank's own complete snapshots, ascending."""
+        with self._lock:
+            return self.own.complete_steps()
+
+    def replica_slot(self, owner: int, step: int) -> Slot:
+        """The verified replica of ``owner`` at ``step``.
+
+        Raises:
+            KeyError: no complete replica of that owner and step is held here.
+            ReplicaCorruptError: it failed its checksum (it is marked and never used).
+        """
+        with self._lock:
+            buf = self.replicas.get(owner)
+            slot = buf.find(step) if buf is not None else None
+        if slot is None:
+            raise KeyError(f"rank {self.rank} holds no complete replica of rank {owner} at {step}")
+        if not slot.verify():
+            raise ReplicaCorruptError(
+                f"rank {self.rank}'s replica of rank {owner} at step {step} failed its checksum"
+            )
+        return slot
+
+    def read(self, owner: int, step: int, start: int, end: int) -> torch.Tensor:
+        """Bytes ``[start, end)`` of ``owner``'s state at ``step`` (a view; do not modify).
+
+        ``owner`` may be this rank (its own snapshot) or any rank whose replica it holds.
+        """
+        slot = self.own_slot(step) if owner == self.rank else self.replica_slot(owner, step)
+        assert 0 <= start <= end <= slot.header.nbytes
+        return slot.buffer[start:end]
+
+    def own_slot(self, step: int) -> Slot:
+        """This rank's verified own snapshot of ``step`` (same errors as :meth:`replica_slot`)."""
+        with self._lock:
+            slot = self.own.find(step)
+        if slot is None:
+            raise KeyError(f"rank {self.rank} holds no snapshot of its own state at step {step}")
+        if not slot.verify():
+            raise ReplicaCorruptError(f"rank {self.rank}'s own snapshot of {step} is corrupt")
+        return slot
+
+    def restore_own(self, step: int) -> tuple[int, dict[str, Any]]:
+        """Roll the live state back to this rank's own snapshot of ``step``.
+
+        Returns:
+            ``(step, extras)`` as passed to :meth:`replicate`.
+        """
+        return self.state.restore(self.own_slot(step).buffer)
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker thread (after the round in progress) and release the process group."""
+        if self._fence_handle is not None:
+            self._fence_handle.remove()
+            self._fence_handle = None
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join(timeout=timeout_s)
+            if self._worker.is_alive():
+                logger.error(
+                    "rank %d: replication worker still busy after %.0fs; leaving it (daemon)",
+                    self.rank,
+                    timeout_s,
+                )
+                return
+        if self._failure is None:
+            dist.destroy_process_group(self.group)
+
+    def __enter__(self) -> Replicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""Double-buffered snapshot slots and the header every snapshot or replica carries.
+
+A :class:`DoubleBuffer` holds two preallocated slots. A new snapshot is always written into the
+slot that does *not* hold the latest complete one, and only becomes visible (gets a header) once
+it is whole, so a failure half-way through a copy or a transfer never destroys the last good copy.
+The same structure holds a rank's own snapshots and each replica it keeps for a buddy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from p2p_state.memory import MemoryKind, allocate, checksum
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x5032505354415445  # "P2PSTATE"
+_HEADER_VERSION = 1
+HEADER_WORDS = 8
+
+
+def _to_i64(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _to_u64(i: int) -> int:
+    return i + (1 << 64) if i < 0 else i
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotHeader:
+    """What a complete snapshot or replica is: which step, of which layout, with which checksum."""
+
+    step: int
+    generation: int
+    layout_hash: str
+    """16 hex digits (see :attr:`StateLayout.layout_hash`)."""
+    nbytes: int
+    checksum: int
+    algo: int
+    """Checksum algorithm (:data:`p2p_state.memory.CRC32` or ``WSUM64``)."""
+
+    def to_tensor(self) -> torch.Tensor:
+        """Encode as ``HEADER_WORDS`` int64 values (sent ahead of the bytes)."""
+        return torch.tensor(
+            [
+                _to_i64(_MAGIC),
+                _HEADER_VERSION,
+                self.step,
+                self.generation,
+                _to_i64(int(self.layout_hash, 16)),
+                self.nbytes,
+                _to_i64(self.checksum),
+                self.algo,
+            ],
+            dtype=torch.int64,
+        )
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> SnapshotHeader:
+        """Decode :meth:`to_tensor`; ``ValueError`` if it is not a header of this version."""
+        words = [int(x) for x in t.cpu().tolist()]
+        if len(words) != HEADER_WORDS or _to_u64(words[0]) != _MAGIC:
+            raise ValueError("not a snapshot header (bad magic)")
+        if words[1] != _HEADER_VERSION:
+            raise ValueError(f"snapshot header version {words[1]}, expected {_HEADER_VERSION}")
+        return cls(
+            step=words[2],
+            generation=words[3],
+            layout_hash=f"{_to_u64(words[4]):016x}",
+            nbytes=words[5],
+            checksum=_to_u64(words[6]),
+            algo=words[7],
+        )
+
+
+class Slot:
+    """One preallocated buffer and, once it holds a complete snapshot, that snapshot's header."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.header: SnapshotHeader | None = None
+        self.corrupt = False
+        """Set when a checksum check failed: this slot is never restored from."""
+
+    def verify(self) -> bool:
+        """Recompute the checksum; on a mismatch mark the slot corrupt and log it."""
+        if self.header is None:
+            return False
+        actual = checksum(self.buffer[: self.header.nbytes])
+        if actual != self.header.checksum:
+            self.corrupt = True
+            logger.error(
+                "snapshot of step %d (layout %s) failed its checksum (%#x, expected %#x); "
+                "it will not be restored from",
+                self.header.step,
+                self.header.layout_hash,
+                actual,
+                self.header.checksum,
+            )
+            return False
+        return True
+
+
+class DoubleBuffer:
+    """Two slots of ``nbytes`` bytes; the latest complete slot is never handed out for writing.
+
+    Not thread-safe by itself: the replicator writes slots from its worker thread only, and readers
+    go through its lock.
+    """
+
+    def __init__(self, nbytes: int, kind: MemoryKind, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.kind = kind
+        self.slots = (
+            Slot(allocate(nbytes, kind, device)),
+            Slot(allocate(nbytes, kind, device)),
+        )
+        self._latest: Slot | None = None
+
+    def writable(self) -> Slot:
+        """The slot to write the next snapshot into; it is marked incomplete."""
+        slot = self.slots[1] if self._latest is self.slots[0] else self.slots[0]
+        slot.header = None
+        slot.corrupt = False
+        return slot
+
+    def publish(self, slot: Slot, header: SnapshotHeader) -> None:
+        """Mark ``slot`` complete with ``header``; it becomes the latest."""
+        assert slot in self.slots
+        assert header.nbytes <= self.nbytes
+        slot.header = header
+        self._latest = slot
+
+    def latest(self) -> Slot | None:
+        """The most recent complete slot, or ``None``."""
+        return self._latest
+
+    def find(self, step: int) -> Slot | None:
+        """The complete, not-known-corrupt slot holding ``step``, or ``None``."""
+        for slot in self.slots:
+            if slot.header is not None and slot.header.step == step and not slot.corrupt:
+                return slot
+        return None
+
+    def complete_steps(self) -> list[int]:
+        """Steps held complete (and not known corrupt), ascending."""
+        return sorted(s.header.step for s in self.slots if s.header is not None and not s.corrupt)

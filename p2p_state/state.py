@@ -1,0 +1,321 @@
+"""Bind a live model, optimizer and scheduler to a :class:`StateLayout`.
+
+``TrainingState`` knows which live tensors fill which entries of the flat buffer and how to move
+bytes between the two in place: restoring writes into the very tensors FSDP and the optimizer
+hold (``DTensor.to_local()`` shares storage with the parameter), so no parameter object is
+replaced and no collective is issued. It works on local shards only, never on full state dicts:
+FSDP's state-dict helpers run collectives, which must not happen on the recovery path.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from p2p_state.layout import StateLayout, dtype_from_name
+
+logger = logging.getLogger(__name__)
+
+_BLOB_LEN_BYTES = 4
+_TENSOR_EXT = 1  # msgpack ext code of a 0-dim tensor (e.g. a capturable optimizer's lr)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], int]:
+    """Global shape and dim-0 offset of a (possibly sharded) tensor."""
+    if not isinstance(t, DTensor):
+        return tuple(t.shape), 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(t.shape), int(offsets[0]) if offsets else 0
+
+
+def _encode_default(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.dim() == 0:
+        return msgpack.ExtType(
+            _TENSOR_EXT, msgpack.packb([str(obj.dtype).removeprefix("torch."), obj.item()])
+        )
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(
+        f"cannot store a {type(obj).__name__} in the replicated state: the scheduler state, "
+        "optimizer hyper-parameters and extras must be numbers, strings, lists, dicts or 0-dim "
+        "tensors"
+    )
+
+
+def _decode_ext(code: int, data: bytes) -> Any:
+    if code == _TENSOR_EXT:
+        dtype, value = msgpack.unpackb(data)
+        return torch.tensor(value, dtype=dtype_from_name(dtype))
+    return msgpack.ExtType(code, data)
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's lazily-built state without changing any parameter.
+
+    A fresh optimizer (a spare's, or one rebuilt after a resize) has no state until its first
+    ``step()``, so its layout would differ from its peers'. This runs one step with zero
+    gradients and a zero learning rate, which allocates the state tensors; their values are then
+    overwritten by a restore.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        raise ValueError(
+            "optimizer has gradients but no state; call ensure_optimizer_state() before backward"
+        )
+    saved_lrs = []
+    for group in optimizer.param_groups:
+        saved_lrs.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            if lr is not None:
+                group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+
+
+class TrainingState:
+    """The live objects whose bytes make up one rank's snapshot.
+
+    Args:
+        model: The (FSDP2-sharded, DDP or plain) module. Its parameters and persistent buffers
+            are captured; for a ``DTensor`` parameter only the local shard.
+        optimizer: Any ``torch.optim`` optimizer whose per-parameter state is tensors (AdamW, SGD
+            with momentum, ...). Its state is created if empty (see :func:`ensure_optimizer_state`).
+        scheduler: An LR scheduler, or ``None``.
+        blob_capacity: Bytes reserved for the non-tensor state (scheduler, hyper-parameters,
+            step, RNG of ``random``/``numpy``, extras).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        *,
+        blob_capacity: int = 256 * 1024,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
+        fresh = optimizer is not None and not optimizer.state
+        if fresh:
+            # The layout needs the shapes of the lazily-built optimizer state; build it with a
+            # dry run, then drop it so training starts exactly as it would without the engine.
+            ensure_optimizer_state(optimizer)
+        try:
+            self.layout = StateLayout.build(self._specs(), blob_capacity)
+        finally:
+            if fresh:
+                optimizer.state.clear()
+
+    # -- which tensors -------------------------------------------------------------------------
+
+    def _named_live(self) -> list[tuple[str, torch.Tensor]]:
+        """(entry name, live tensor) in layout order, RNG entries excluded."""
+        out: list[tuple[str, torch.Tensor]] = []
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        for name, p in self.model.named_parameters():
+            out.append((f"param/{name}", p))
+        for name, b in self.model.named_buffers():
+            if b is not None and self._is_persistent(name):
+                out.append((f"buffer/{name}", b))
+        if self.optimizer is not None:
+            for gi, group in enumerate(self.optimizer.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    pname = names.get(id(p), f"group{gi}.{pi}")
+                    for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                        if isinstance(value, torch.Tensor):
+                            out.append((f"optim/{pname}/{key}", value))
+        return out
+
+    def _is_persistent(self, fqn: str) -> bool:
+        module_name, _, buf_name = fqn.rpartition(".")
+        module = self.model.get_submodule(module_name) if module_name else self.model
+        return buf_name not in module._non_persistent_buffers_set
+
+    def _rng_entries(self) -> list[tuple[str, torch.Tensor]]:
+        out = [("rng/cpu", torch.get_rng_state())]
+        if self._cuda_rng:
+            out.append(("rng/cuda", torch.cuda.get_rng_state()))
+        return out
+
+    def _specs(self):
+        for name, t in self._named_live():
+            global_shape, dim0 = _shard_geometry(t)
+            local = _local(t)
+            yield name, local.dtype, tuple(local.shape), global_shape, dim0
+        for name, t in self._rng_entries():
+            yield name, t.dtype, tuple(t.shape), tuple(t.shape), 0
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Local tensors in layout order (RNG entries excluded); copies of these are snapshots.
+
+        Raises:
+            RuntimeError: the optimizer has not built its state yet (no step taken).
+        """
+        with torch.no_grad():
+            live = [_local(t).detach() for _, t in self._named_live()]
+        if len(live) + len(self._rng_entries()) != len(self.layout.entries):
+            raise RuntimeError(
+                "the optimizer has no state yet: take snapshots after the first optimizer step "
+                "(a restore creates the state itself)"
+            )
+        return live
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of ``buffer`` for every non-RNG entry, in layout order."""
+        out = []
+        for e in self.layout.entries:
+            if e.name.startswith("rng/"):
+                continue
+            out.append(
+                buffer[e.offset : e.end].view(dtype_from_name(e.dtype)).view(e.shape)
+                if e.nbytes
+                else torch.empty(e.shape, dtype=dtype_from_name(e.dtype), device=buffer.device)
+            )
+        return out
+
+    # -- the non-tensor state ------------------------------------------------------------------
+
+    def _blob(self, step: int, extras: Mapping[str, Any]) -> bytes:
+        np_state = np.random.get_state()
+        py_state = random.getstate()
+        state = {
+            "step": int(step),
+            "extras": dict(extras),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "groups": [
+                {k: v for k, v in g.items() if k != "params"}
+                for g in (self.optimizer.param_groups if self.optimizer else [])
+            ],
+            "optim_scalars": self._optimizer_scalars(),
+            "py_random": [py_state[0], list(py_state[1]), py_state[2]],
+            "np_random": [np_state[0], np_state[1].tobytes(), *np_state[2:]],
+        }
+        data = msgpack.packb(state, use_bin_type=True, default=_encode_default)
+        if len(data) + _BLOB_LEN_BYTES > self.layout.blob_capacity:
+            raise ValueError(
+                f"the non-tensor state needs {len(data) + _BLOB_LEN_BYTES} bytes but "
+                f"ReplicationConfig.blob_capacity_bytes is {self.layout.blob_capacity}; raise it "
+                "or keep the extras small"
+            )
+        return data
+
+    def _optimizer_scalars(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.optimizer is None:
+            return out
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        out[f"{gi}.{pi}/{key}"] = value
+        return out
+
+    # -- capture and restore -------------------------------------------------------------------
+
+    def capture_small(self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any]) -> None:
+        """Write the RNG states and the non-tensor state (step, extras, ...) into ``buffer``.
+
+        Cheap; call it at the moment the snapshot stands for (RNG advances with every forward).
+        """
+        for name, t in self._rng_entries():
+            e = self.layout.entry(name)
+            buffer[e.offset : e.end].copy_(t.view(torch.uint8).flatten(), non_blocking=False)
+        data = self._blob(step, extras)
+        blob = buffer[self.layout.blob_offset : self.layout.blob_offset + self.layout.blob_capacity]
+        header = torch.tensor(
+            list(len(data).to_bytes(_BLOB_LEN_BYTES, "little")), dtype=torch.uint8
+        )
+        blob[:_BLOB_LEN_BYTES].copy_(header)
+        blob[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + len(data)].copy_(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        )
+
+    def copy_tensors_into(self, buffer: torch.Tensor) -> None:
+        """Copy every live tensor into its range of ``buffer`` (one batched copy)."""
+        dst = self.views(buffer)
+        src = self.live_tensors()
+        pairs = [(d, s) for d, s in zip(dst, src) if d.numel()]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+
+    def capture(self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any] = {}) -> None:
+        """Write the whole state (tensors, RNG, non-tensor state) into ``buffer``."""
+        self.copy_tensors_into(buffer)
+        self.capture_small(buffer, step, extras)
+
+    def read_blob(self, buffer: torch.Tensor) -> dict[str, Any]:
+        """Decode the non-tensor state stored in ``buffer``."""
+        region = buffer[
+            self.layout.blob_offset : self.layout.blob_offset + self.layout.blob_capacity
+        ].cpu()
+        n = int.from_bytes(bytes(region[:_BLOB_LEN_BYTES].tolist()), "little")
+        if not 0 < n <= self.layout.blob_capacity - _BLOB_LEN_BYTES:
+            raise ValueError(f"corrupt snapshot: blob length {n}")
+        raw = region[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + n].numpy().tobytes()
+        return msgpack.unpackb(raw, raw=False, ext_hook=_decode_ext, strict_map_key=False)
+
+    def restore(self, buffer: torch.Tensor) -> tuple[int, dict[str, Any]]:
+        """Put the state stored in ``buffer`` back into the live objects, in place.
+
+        Returns:
+            ``(step, extras)`` as given to :meth:`capture`.
+        """
+        blob = self.read_blob(buffer)
+        if self.optimizer is not None:
+            ensure_optimizer_state(self.optimizer)
+        with torch.no_grad():
+            dst = self.live_tensors()
+            src = self.views(buffer)
+            pairs = [(d, s) for d, s in zip(dst, src) if d.numel()]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        for name, _ in self._rng_entries():
+            e = self.layout.entry(name)
+            state = buffer[e.offset : e.end].cpu().clone()
+            if name == "rng/cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state)
+        self._restore_blob(blob)
+        return blob["step"], blob["extras"]
+
+    def _restore_blob(self, blob: dict[str, Any]) -> None:
+        if self.scheduler is not None and blob["scheduler"] is not None:
+            self.scheduler.load_state_dict(blob["scheduler"])
+        if self.optimizer is not None:
+            for group, saved in zip(self.optimizer.param_groups, blob["groups"]):
+                for key, value in saved.items():
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+            for gi, group in enumerate(self.optimizer.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    state = self.optimizer.state.get(p, {})
+                    for key in state:
+                        if not isinstance(state[key], torch.Tensor):
+                            state[key] = blob["optim_scalars"][f"{gi}.{pi}/{key}"]
+        version, internal, gauss = blob["py_random"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, *rest = blob["np_random"]
+        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), *rest))

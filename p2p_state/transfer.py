@@ -1,0 +1,132 @@
+"""Moving bytes between ranks: chunked, batched point-to-point transfers on a process group.
+
+Everything here works on 1-D ``uint8`` buffers and peer ranks; what the bytes mean is the
+layout's business. Transfers are split into chunks of at most ``chunk_bytes`` and every chunk
+round is one ``batch_isend_irecv`` of all the sends and receives this rank takes part in, so the
+links to all peers are busy at once. Each round waits with a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: Each transfer gets its own tag range so chunks of two transfers between one pair never match.
+_TAGS_PER_TRANSFER = 1 << 16
+
+
+class TransferError(RuntimeError):
+    """A transfer did not complete: a peer failed, or the deadline passed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``buf`` to rank ``peer``."""
+
+    peer: int
+    buf: torch.Tensor
+    tag: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    """Receive exactly ``buf.numel()`` bytes from rank ``peer`` into ``buf``."""
+
+    peer: int
+    buf: torch.Tensor
+    tag: int = 0
+
+
+def exchange(
+    sends: Sequence[Send],
+    recvs: Sequence[Recv],
+    group: dist.ProcessGroup,
+    *,
+    chunk_bytes: int,
+    timeout_s: float,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> None:
+    """Run a set of sends and receives to completion, chunk round by chunk round.
+
+    Both sides of every pair must call this with matching buffers (same sizes, same tags), in
+    the same order relative to other exchanges on ``group``.
+
+    Args:
+        sends: Buffers this rank sends.
+        recvs: Buffers this rank receives into.
+        group: The process group (peers are global ranks of its members).
+        chunk_bytes: Largest chunk moved by one send/recv.
+        timeout_s: Deadline for each chunk round.
+        on_chunk: Called as ``on_chunk(round, num_rounds)`` after each completed round.
+
+    Raises:
+        TransferError: a send or receive failed (a peer died or the deadline passed). Bytes
+            received so far are incomplete and must not be used.
+    """
+    items = [(True, s.peer, s.buf, s.tag) for s in sends] + [
+        (False, r.peer, r.buf, r.tag) for r in recvs
+    ]
+    for _, _, buf, tag in items:
+        assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+        assert tag % _TAGS_PER_TRANSFER == 0
+    num_rounds = max((-(-b.numel() // chunk_bytes) for _, _, b, _ in items), default=0)
+    assert num_rounds < _TAGS_PER_TRANSFER, "chunk_bytes too small for this transfer"
+    for i in range(num_rounds):
+        ops = []
+        for is_send, peer, buf, tag in items:
+            piece = buf[i * chunk_bytes : (i + 1) * chunk_bytes]
+            if piece.numel():
+                fn = dist.isend if is_send else dist.irecv
+                ops.append(dist.P2POp(fn, piece, peer, group, tag=tag + i))
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                if not work.wait(timeout=timedelta(seconds=timeout_s)):
+                    raise TransferError(f"chunk round {i + 1}/{num_rounds} timed out")
+        except TransferError:
+            raise
+        except Exception as e:
+            peers = sorted({peer for _, peer, _, _ in items})
+            raise TransferError(
+                f"transfer with ranks {peers} failed in chunk round {i + 1}/{num_rounds} "
+                f"(deadline {timeout_s:.0f}s per round): {e}"
+            ) from e
+        if on_chunk is not None:
+            on_chunk(i, num_rounds)
+
+
+def transfer_tag(index: int) -> int:
+    """The base tag of the ``index``-th transfer of an exchange."""
+    return index * _TAGS_PER_TRANSFER
+
+
+def gather_bytes(
+    data: bytes, group: dist.ProcessGroup, device: torch.device, timeout_s: float
+) -> list[bytes]:
+    """All-gather one byte string per rank of ``group`` (no pickle: raw bytes with lengths)."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    _wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout_s, "lengths")
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    _wait(dist.all_gather(out, mine, group=group, async_op=True), timeout_s, "payloads")
+    return [bytes(t[: int(n)].cpu().numpy()) for t, n in zip(out, lengths)]
+
+
+def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise TransferError(f"all-gather of {what} failed: {e}") from e
+    if ok is False:
+        raise TransferError(f"all-gather of {what} timed out after {timeout_s:.0f}s")

@@ -1,0 +1,197 @@
+"""Layout, snapshot buffers, checksums and the in-place restore, in one process."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from bench.models import PRESETS, build_model, synthetic_batch
+from p2p_state.config import ReplicationConfig
+from p2p_state.layout import (
+    ALIGN_BYTES,
+    LayoutMismatchError,
+    StateLayout,
+    check_same_structure,
+)
+from p2p_state.memory import MemoryKind, allocate, checksum
+from p2p_state.snapshot import DoubleBuffer, SnapshotHeader
+from p2p_state.state import TrainingState
+
+
+def _trained(optimizer_cls, steps=2, **opt_kwargs):
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    opt = optimizer_cls(model.parameters(), lr=0.01, **opt_kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    state = TrainingState(model, opt, sched)
+    for step in range(steps):
+        model.loss(synthetic_batch(PRESETS["tiny"], step=step, rank=0, batch_size=2)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched, state
+
+
+def _snapshot(state, step=7, extras=None):
+    buf = allocate(state.layout.total_bytes, MemoryKind.HOST, torch.device("cpu"))
+    state.capture(buf, step, extras or {"offset": 3})
+    return buf
+
+
+def _live(state):
+    return [t.clone() for t in state.live_tensors()]
+
+
+@pytest.mark.parametrize(
+    "optimizer_cls, kwargs",
+    [
+        (torch.optim.AdamW, {"weight_decay": 0.1}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+        (torch.optim.Adam, {}),
+        (torch.optim.RMSprop, {"momentum": 0.5}),
+    ],
+)
+def test_restore_puts_exact_bytes_back_in_place(optimizer_cls, kwargs):
+    model, _, sched, state = _trained(optimizer_cls, **kwargs)
+    names = [e.name for e in state.layout.entries]
+    assert any(n.startswith("optim/") for n in names), "optimizer state must be captured"
+    assert "rng/cpu" in names
+    torch.manual_seed(42)
+    random.seed(5)
+    np.random.seed(6)
+    expected = _live(state)
+    rng = torch.get_rng_state()
+    py_rng, np_rng = random.getstate(), np.random.get_state()[1].copy()
+    sched_state = sched.state_dict()
+    ids = [id(p) for p in model.parameters()]
+    buf = _snapshot(state)
+
+    with torch.no_grad():
+        for t in state.live_tensors():
+            t.add_(1)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    sched.step()
+
+    step, extras = state.restore(buf)
+    assert (step, extras) == (7, {"offset": 3})
+    for a, b in zip(state.live_tensors(), expected):
+        assert torch.equal(
+            a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b
+        )
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert random.getstate() == py_rng
+    assert np.array_equal(np.random.get_state()[1], np_rng)
+    assert sched.state_dict() == sched_state
+    assert [id(p) for p in model.parameters()] == ids
+
+
+def test_fresh_optimizer_is_left_untouched_and_restore_builds_its_state():
+    _, _, _, trained = _trained(torch.optim.AdamW)
+    buf = _snapshot(trained)
+    model = build_model("tiny", seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    fresh = TrainingState(model, opt, sched)
+    assert not opt.state, "wrapping must not change a fresh optimizer"
+    assert fresh.layout.layout_hash == trained.layout.layout_hash
+    with pytest.raises(RuntimeError, match="after the first optimizer step"):
+        fresh.live_tensors()
+    fresh.restore(buf)
+    for a, b in zip(fresh.live_tensors(), trained.live_tensors()):
+        assert torch.equal(a, b)
+    assert opt.param_groups[0]["lr"] == trained.optimizer.param_groups[0]["lr"]
+
+
+def test_layout_is_aligned_and_round_trips():
+    _, _, _, state = _trained(torch.optim.AdamW)
+    layout = state.layout
+    assert all(e.offset % ALIGN_BYTES == 0 for e in layout.entries)
+    assert all(a.end <= b.offset for a, b in zip(layout.entries, layout.entries[1:]))
+    again = StateLayout.from_bytes(layout.to_bytes())
+    assert again == layout and again.layout_hash == layout.layout_hash
+    with pytest.raises(ValueError, match="malformed state layout"):
+        StateLayout.from_bytes(b"\x93garbage")
+
+
+def test_structure_mismatch_names_both_layouts_and_the_difference():
+    _, _, _, a = _trained(torch.optim.AdamW)
+    model = build_model("small")
+    b = TrainingState(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(LayoutMismatchError) as info:
+        check_same_structure([a.layout, a.layout, b.layout])
+    msg = str(info.value)
+    assert a.layout.layout_hash in msg and b.layout.layout_hash in msg
+    assert "rank 2" in msg
+    assert "entry 'param/pos': float32[32, 64] vs float32[64, 128]" in msg
+
+
+def test_blob_overflow_is_a_clear_error():
+    model = build_model("tiny")
+    state = TrainingState(model, None, blob_capacity=8192)
+    buf = allocate(state.layout.total_bytes, MemoryKind.HOST, torch.device("cpu"))
+    with pytest.raises(ValueError, match="blob_capacity_bytes"):
+        state.capture(buf, 1, {"big": "x" * 10000})
+
+
+def test_checksum_catches_every_single_bit_flip_position():
+    buf = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    base = checksum(buf)
+    for pos in range(0, 4096, 97):
+        for bit in (0, 7):
+            buf[pos] ^= 1 << bit
+            assert checksum(buf) != base
+            buf[pos] ^= 1 << bit
+    assert checksum(buf) == base
+
+
+def test_double_buffer_never_hands_out_the_latest_complete_slot():
+    db = DoubleBuffer(1024, MemoryKind.HOST, torch.device("cpu"))
+    seen = []
+    for step in range(1, 6):
+        slot = db.writable()
+        assert slot is not db.latest()
+        slot.buffer.fill_(step)
+        db.publish(slot, SnapshotHeader(step, 0, "0" * 16, 1024, checksum(slot.buffer), 1))
+        seen.append(db.complete_steps())
+    assert seen[-1] == [4, 5]
+    # Taking the next slot invalidates only the older one.
+    db.writable()
+    assert db.complete_steps() == [5]
+
+
+def test_snapshot_header_round_trips_and_rejects_garbage():
+    h = SnapshotHeader(12, 3, "fedcba9876543210", 4096, 0xFFFFFFFFFFFFFFFF, 2)
+    assert SnapshotHeader.from_tensor(h.to_tensor()) == h
+    with pytest.raises(ValueError, match="bad magic"):
+        SnapshotHeader.from_tensor(torch.zeros(8, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"k": 0}, "k"),
+        ({"interval_steps": 0}, "interval_steps"),
+        ({"memory": "disk"}, "memory"),
+        ({"backend": "mpi"}, "backend"),
+        ({"chunk_bytes": 100}, "chunk_bytes"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"max_memory_fraction": 2}, "max_memory_fraction"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"ReplicationConfig.{field}"):
+        ReplicationConfig(**kwargs)
+
+
+def test_gpu_memory_without_a_gpu_is_refused_clearly():
+    from p2p_state.memory import resolve_kind
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_kind("pinned", torch.device("cpu"))
