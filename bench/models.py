@@ -92,8 +92,13 @@ class TinyLM(nn.Module):
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy over a batch of token sequences."""
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        return lm_loss(self, tokens)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, calling ``model`` itself (so DDP/FSDP wrappers see the forward)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def build_model(preset: str | ModelConfig = "tiny", *, seed: int = 0) -> TinyLM:

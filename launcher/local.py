@@ -80,6 +80,9 @@ def _worker_entry(
 ) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rpn = cfg.ranks_per_node or cfg.world_size
+    # As torchrun does: one intra-op thread per rank unless told otherwise, so ranks sharing a
+    # machine do not oversubscribe its cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update(cfg.env)
     os.environ.update(
         RANK=str(rank),
@@ -90,8 +93,12 @@ def _worker_entry(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store_port),
     )
+    import torch
     import torch.distributed as dist
 
+    # torch may already be imported (unpickling ``fn`` imports its module), so the variable
+    # alone would come too late for its thread pool.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if cfg.backend != "none":
         store = dist.TCPStore(
             "127.0.0.1",

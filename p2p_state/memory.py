@@ -49,10 +49,14 @@ def resolve_kind(requested: str, device: torch.device) -> MemoryKind:
 
 
 def allocate(nbytes: int, kind: MemoryKind, device: torch.device) -> torch.Tensor:
-    """A 1-D ``uint8`` buffer of ``nbytes`` bytes of the given kind (contents undefined)."""
+    """A 1-D ``uint8`` buffer of ``nbytes`` zero bytes of the given kind.
+
+    Zeroing touches every page now, at start-up, instead of during the first snapshots.
+    """
     if kind is MemoryKind.GPU:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind is MemoryKind.PINNED)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind is MemoryKind.PINNED)
+    return buf.zero_()
 
 
 def available_bytes(kind: MemoryKind, device: torch.device) -> int:
@@ -100,28 +104,54 @@ _WSUM_CHUNK = 1 << 24
 _MASK64 = (1 << 64) - 1
 
 
-def checksum_algo(buf: torch.Tensor) -> int:
-    """The algorithm used for a buffer: CRC-32 on the host, a weighted sum on the GPU."""
-    return WSUM64 if buf.is_cuda else CRC32
+class Checksum:
+    """Incremental checksum of a 1-D ``uint8`` buffer fed in order, computed where it lives.
+
+    On the host this is CRC-32 (zlib releases the GIL, so it overlaps with sends and training).
+    On the GPU it is a position-weighted sum of 32-bit words computed on the device, so no byte
+    crosses PCIe; any single flipped byte changes both the plain and the weighted sum.
+    """
+
+    def __init__(self, on_gpu: bool) -> None:
+        self.algo = WSUM64 if on_gpu else CRC32
+        self._crc = 0
+        self._plain: torch.Tensor | None = None
+        self._weighted: torch.Tensor | None = None
+        self._next = 0
+
+    def update(self, chunk: torch.Tensor, offset: int) -> None:
+        """Add bytes ``[offset, offset + len(chunk))``; chunks must come in order, no gaps."""
+        assert chunk.dtype == torch.uint8 and chunk.dim() == 1
+        assert offset == self._next, "checksum chunks must be fed in order"
+        self._next += chunk.numel()
+        if self.algo == CRC32:
+            self._crc = zlib.crc32(chunk.numpy(), self._crc)
+            return
+        assert offset % 4 == 0 and chunk.numel() % 4 == 0
+        words = chunk.view(torch.int32)
+        if self._plain is None:
+            self._plain = torch.zeros((), dtype=torch.int64, device=chunk.device)
+            self._weighted = torch.zeros((), dtype=torch.int64, device=chunk.device)
+        first = offset // 4 + 1
+        for start in range(0, words.numel(), _WSUM_CHUNK):
+            piece = words[start : start + _WSUM_CHUNK].to(torch.int64)
+            pos = torch.arange(first + start, first + start + piece.numel(), device=chunk.device)
+            self._plain += piece.sum()
+            self._weighted += (piece * pos).sum()
+
+    def value(self) -> int:
+        """The checksum of everything fed so far."""
+        if self.algo == CRC32:
+            return self._crc & 0xFFFFFFFF
+        if self._plain is None:
+            return 0
+        return (
+            (int(self._plain) & 0xFFFFFFFF) << 32 | (int(self._weighted) & 0xFFFFFFFF)
+        ) & _MASK64
 
 
 def checksum(buf: torch.Tensor) -> int:
-    """Checksum of a 1-D ``uint8`` buffer, computed where the buffer lives.
-
-    On the host this is CRC-32 (zlib releases the GIL, so it overlaps with training). On the GPU
-    it is a position-weighted sum of 32-bit words, computed on the device so that no byte crosses
-    PCIe; any single flipped byte changes both the plain and the weighted sum.
-    """
-    assert buf.dtype == torch.uint8 and buf.dim() == 1
-    if not buf.is_cuda:
-        return zlib.crc32(buf.numpy()) & 0xFFFFFFFF
-    assert buf.numel() % 4 == 0, "GPU buffers are allocated in multiples of the layout alignment"
-    words = buf.view(torch.int32)
-    plain = torch.zeros((), dtype=torch.int64, device=buf.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=buf.device)
-    for start in range(0, words.numel(), _WSUM_CHUNK):
-        chunk = words[start : start + _WSUM_CHUNK].to(torch.int64)
-        pos = torch.arange(start + 1, start + 1 + chunk.numel(), device=buf.device)
-        plain += chunk.sum()
-        weighted += (chunk * pos).sum()
-    return ((int(plain) & 0xFFFFFFFF) << 32 | (int(weighted) & 0xFFFFFFFF)) & _MASK64
+    """Checksum of a whole 1-D ``uint8`` buffer (see :class:`Checksum`)."""
+    c = Checksum(buf.is_cuda)
+    c.update(buf, 0)
+    return c.value()

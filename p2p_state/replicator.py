@@ -19,11 +19,13 @@ throttled to it rather than running ahead of what could be recovered.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,13 +36,7 @@ import torch.distributed as dist
 
 from p2p_state.config import ReplicationConfig
 from p2p_state.layout import LayoutMismatchError, StateLayout, check_same_structure
-from p2p_state.memory import (
-    MemoryKind,
-    check_fits,
-    checksum,
-    checksum_algo,
-    resolve_kind,
-)
+from p2p_state.memory import Checksum, MemoryKind, check_fits, resolve_kind
 from p2p_state.placement import Placement, place
 from p2p_state.snapshot import HEADER_WORDS, DoubleBuffer, Slot, SnapshotHeader
 from p2p_state.state import TrainingState
@@ -69,11 +65,30 @@ class ReplicaInfo:
     checksum: int
 
 
+@dataclass(frozen=True, slots=True)
+class RoundStats:
+    """Where the time of one replication round went (seconds) and how many bytes it moved."""
+
+    step: int
+    copy_s: float
+    """Snapshot copy on the training thread (on a GPU: enqueueing it on the side stream)."""
+    checksum_s: float
+    transfer_s: float
+    """All chunk rounds of the send/recv of the snapshot bytes to and from the buddies."""
+    header_s: float
+    """The header exchange after the data, mostly waiting for the buddies' checksums."""
+    commit_s: float
+    """The commit barrier: waiting for every other rank to finish the round."""
+    bytes_sent: int
+    bytes_received: int
+
+
 @dataclass(slots=True)
 class _Round:
     step: int
     slot: Slot
     copied: Any  # torch.cuda.Event on a GPU, None on the host
+    copy_s: float
 
 
 def _resolve_backend(config: ReplicationConfig, kind: MemoryKind) -> str:
@@ -181,6 +196,8 @@ class Replicator:
         self._committed = -1
         self._failure: BaseException | None = None
         self._queue: queue.Queue[_Round | None] = queue.Queue()
+        self.stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
+        """Timings of the most recent rounds, oldest first."""
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._last_copy: Any = None
         self._fence_handle = None
@@ -217,6 +234,7 @@ class Replicator:
             return False
         self._wait_idle()
         slot = self.own.writable()
+        t0 = time.perf_counter()
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
@@ -229,7 +247,7 @@ class Replicator:
             copied = None
         with self._lock:
             self._in_flight += 1
-        self._queue.put(_Round(step, slot, copied))
+        self._queue.put(_Round(step, slot, copied, time.perf_counter() - t0))
         return True
 
     def flush(self, timeout_s: float | None = None) -> int:
@@ -289,17 +307,8 @@ class Replicator:
             if job.copied is not None:
                 job.copied.synchronize()
             layout = self.state.layout
-            header = SnapshotHeader(
-                step=job.step,
-                generation=self.generation,
-                layout_hash=layout.layout_hash,
-                nbytes=layout.total_bytes,
-                checksum=checksum(job.slot.buffer[: layout.total_bytes]),
-                algo=checksum_algo(job.slot.buffer),
-            )
-            with self._lock:
-                self.own.publish(job.slot, header)
-            incoming = self._exchange_headers(header)
+            own = job.slot.buffer[: layout.total_bytes]
+            chunk = self.config.chunk_bytes
             with self._lock:
                 slots = {o: self.replicas[o].writable() for o in self.owners}
 
@@ -307,50 +316,81 @@ class Replicator:
                 if self._progress_hook is not None:
                     self._progress_hook(job.step, i, n)
 
+            # Data first, so every rank starts sending as soon as its copy is done; then the
+            # checksum, then the headers that carry it. (Checksumming while the chunks are in
+            # flight was measured slower on loopback, where both compete for the same cores.)
+            t0 = time.perf_counter()
             exchange(
-                [Send(h, job.slot.buffer[: layout.total_bytes]) for h in self.holders],
-                [Recv(o, slots[o].buffer[: incoming[o].nbytes]) for o in self.owners],
+                [Send(h, own) for h in self.holders],
+                [Recv(o, slots[o].buffer[: self.layouts[o].total_bytes]) for o in self.owners],
                 self.group,
-                chunk_bytes=self.config.chunk_bytes,
+                chunk_bytes=chunk,
                 timeout_s=self.config.timeout_s,
                 on_chunk=progress,
             )
+            t1 = time.perf_counter()
+            digest = Checksum(own.is_cuda)
+            digest.update(own, 0)
+            t2 = time.perf_counter()
+            header = SnapshotHeader(
+                step=job.step,
+                generation=self.generation,
+                layout_hash=layout.layout_hash,
+                nbytes=layout.total_bytes,
+                checksum=digest.value(),
+                algo=digest.algo,
+            )
+            with self._lock:
+                self.own.publish(job.slot, header)
+            # A replica is published only once its header checked out and every chunk arrived.
+            out_header = header.to_tensor().to(self._wire_device)
+            in_headers = {
+                o: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._wire_device)
+                for o in self.owners
+            }
+            exchange(
+                [Send(h, out_header.view(torch.uint8)) for h in self.holders],
+                [Recv(o, in_headers[o].view(torch.uint8)) for o in self.owners],
+                self.group,
+                chunk_bytes=chunk,
+                timeout_s=self.config.timeout_s,
+            )
+            t3 = time.perf_counter()
+            incoming = {o: self._check_header(o, t, header) for o, t in in_headers.items()}
             for o in self.owners:
                 with self._lock:
                     self.replicas[o].publish(slots[o], incoming[o])
                 if self.config.verify_on_receive and not slots[o].verify():
                     logger.error("replica of rank %d at step %d is unusable", o, job.step)
+            t4 = time.perf_counter()
             self._commit(job.step)
+            self.stats.append(
+                RoundStats(
+                    step=job.step,
+                    copy_s=job.copy_s,
+                    checksum_s=t2 - t1,
+                    transfer_s=t1 - t0,
+                    header_s=t3 - t2,
+                    commit_s=time.perf_counter() - t4,
+                    bytes_sent=layout.total_bytes * len(self.holders),
+                    bytes_received=sum(incoming[o].nbytes for o in self.owners),
+                )
+            )
 
-    def _exchange_headers(self, mine: SnapshotHeader) -> dict[int, SnapshotHeader]:
-        out_t = mine.to_tensor().to(self._wire_device)
-        in_t = {
-            o: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._wire_device)
-            for o in self.owners
-        }
-        exchange(
-            [Send(h, out_t.view(torch.uint8)) for h in self.holders],
-            [Recv(o, in_t[o].view(torch.uint8)) for o in self.owners],
-            self.group,
-            chunk_bytes=self.config.chunk_bytes,
-            timeout_s=self.config.timeout_s,
-        )
-        headers = {}
-        for o, t in in_t.items():
-            header = SnapshotHeader.from_tensor(t)
-            expected = self.layouts[o]
-            if header.layout_hash != expected.layout_hash:
-                raise LayoutMismatchError(
-                    f"rank {o} sent a snapshot of layout {header.layout_hash} but announced "
-                    f"{expected.describe()}; refusing to store it as its replica"
-                )
-            if header.step != mine.step or header.nbytes != expected.total_bytes:
-                raise ReplicationError(
-                    f"rank {o} sent step {header.step} ({header.nbytes} bytes) while this rank "
-                    f"replicates step {mine.step} ({expected.total_bytes} bytes expected)"
-                )
-            headers[o] = header
-        return headers
+    def _check_header(self, owner: int, t: torch.Tensor, mine: SnapshotHeader) -> SnapshotHeader:
+        header = SnapshotHeader.from_tensor(t)
+        expected = self.layouts[owner]
+        if header.layout_hash != expected.layout_hash:
+            raise LayoutMismatchError(
+                f"rank {owner} sent a snapshot of layout {header.layout_hash} but announced "
+                f"{expected.describe()}; refusing to store it as its replica"
+            )
+        if header.step != mine.step or header.nbytes != expected.total_bytes:
+            raise ReplicationError(
+                f"rank {owner} sent step {header.step} ({header.nbytes} bytes) while this rank "
+                f"replicates step {mine.step} ({expected.total_bytes} bytes expected)"
+            )
+        return header
 
     def _commit(self, step: int) -> None:
         t = torch.tensor([step], dtype=torch.int64, device=self._wire_device)

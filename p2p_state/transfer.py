@@ -8,6 +8,7 @@ links to all peers are busy at once. Each round waits with a deadline.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,8 +53,14 @@ def exchange(
     chunk_bytes: int,
     timeout_s: float,
     on_chunk: Callable[[int, int], None] | None = None,
+    on_posted: Callable[[int, int], None] | None = None,
+    rounds_in_flight: int = 2,
 ) -> None:
     """Run a set of sends and receives to completion, chunk round by chunk round.
+
+    Round ``i`` moves bytes ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of every buffer that is
+    that long. Up to ``rounds_in_flight`` rounds are posted at once, so the link never idles
+    while one round is being completed and the next posted.
 
     Both sides of every pair must call this with matching buffers (same sizes, same tags), in
     the same order relative to other exchanges on ``group``.
@@ -63,8 +70,11 @@ def exchange(
         recvs: Buffers this rank receives into.
         group: The process group (peers are global ranks of its members).
         chunk_bytes: Largest chunk moved by one send/recv.
-        timeout_s: Deadline for each chunk round.
+        timeout_s: Deadline for each chunk round to complete.
         on_chunk: Called as ``on_chunk(round, num_rounds)`` after each completed round.
+        on_posted: Called as ``on_posted(round, num_rounds)`` right after a round is posted,
+            while it is in flight (work to overlap with the transfer).
+        rounds_in_flight: Rounds posted before the oldest is waited for.
 
     Raises:
         TransferError: a send or receive failed (a peer died or the deadline passed). Bytes
@@ -78,6 +88,28 @@ def exchange(
         assert tag % _TAGS_PER_TRANSFER == 0
     num_rounds = max((-(-b.numel() // chunk_bytes) for _, _, b, _ in items), default=0)
     assert num_rounds < _TAGS_PER_TRANSFER, "chunk_bytes too small for this transfer"
+    peers = sorted({peer for _, peer, _, _ in items})
+    posted: collections.deque[tuple[int, list[dist.Work]]] = collections.deque()
+
+    def complete_oldest() -> None:
+        i, works = posted.popleft()
+        try:
+            for work in works:
+                if work.wait(timeout=timedelta(seconds=timeout_s)) is False:
+                    raise TransferError(
+                        f"transfer with ranks {peers}: chunk round {i + 1}/{num_rounds} timed "
+                        f"out after {timeout_s:.0f}s"
+                    )
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(
+                f"transfer with ranks {peers} failed in chunk round {i + 1}/{num_rounds} "
+                f"(deadline {timeout_s:.0f}s per round): {e}"
+            ) from e
+        if on_chunk is not None:
+            on_chunk(i, num_rounds)
+
     for i in range(num_rounds):
         ops = []
         for is_send, peer, buf, tag in items:
@@ -86,19 +118,15 @@ def exchange(
                 fn = dist.isend if is_send else dist.irecv
                 ops.append(dist.P2POp(fn, piece, peer, group, tag=tag + i))
         try:
-            for work in dist.batch_isend_irecv(ops):
-                if not work.wait(timeout=timedelta(seconds=timeout_s)):
-                    raise TransferError(f"chunk round {i + 1}/{num_rounds} timed out")
-        except TransferError:
-            raise
+            posted.append((i, dist.batch_isend_irecv(ops)))
         except Exception as e:
-            peers = sorted({peer for _, peer, _, _ in items})
-            raise TransferError(
-                f"transfer with ranks {peers} failed in chunk round {i + 1}/{num_rounds} "
-                f"(deadline {timeout_s:.0f}s per round): {e}"
-            ) from e
-        if on_chunk is not None:
-            on_chunk(i, num_rounds)
+            raise TransferError(f"posting chunk round {i + 1} to ranks {peers} failed: {e}") from e
+        if on_posted is not None:
+            on_posted(i, num_rounds)
+        if len(posted) >= rounds_in_flight:
+            complete_oldest()
+    while posted:
+        complete_oldest()
 
 
 def transfer_tag(index: int) -> int:

@@ -10,7 +10,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from bench.models import PRESETS, build_model, shard, synthetic_batch
+from bench.models import PRESETS, build_model, lm_loss, shard, synthetic_batch
 from p2p_state.config import ReplicationConfig
 from p2p_state.layout import LayoutMismatchError
 from p2p_state.replicator import ReplicaCorruptError, ReplicationError, Replicator
@@ -130,12 +130,18 @@ def continue_without_fault(num_steps: int) -> dict:
 
 
 def corrupt_replica(chunk_bytes: int) -> dict:
-    """Flip one byte of a replica: its checksum must catch it and it must never be served."""
-    model, opt, sched = _setup("tiny")
-    state = TrainingState(model, opt, sched)
+    """DDP this time. Flip one byte of a replica: the checksum catches it, it is never served."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build_model("tiny"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainingState(model, opt)
     rep = Replicator(state, ReplicationConfig(chunk_bytes=chunk_bytes))
     for step in (1, 2):
-        _train_step(model, opt, sched, step)
+        tokens = synthetic_batch(PRESETS["tiny"], step=step, rank=dist.get_rank(), batch_size=2)
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
         rep.replicate(step)
     rep.flush()
     owner = rep.owners[0]

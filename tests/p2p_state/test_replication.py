@@ -58,7 +58,7 @@ def test_restored_run_continues_exactly_like_the_fault_free_run(replicated_run, 
         assert restored["loss_after"] == reference["loss_after"]
 
 
-def test_flipped_byte_in_replica_is_detected_and_never_served():
+def test_flipped_byte_in_a_ddp_replica_is_detected_and_never_served():
     cfg = WorkerGroupConfig(world_size=2, ranks_per_node=1, timeout_s=120)
     for r in run_local(_workers.corrupt_replica, cfg, (CHUNK_BYTES,)):
         assert r["ok_before"] is True
