@@ -15,7 +15,6 @@ from p2p_state.config import ReplicationConfig
 from p2p_state.layout import LayoutMismatchError
 from p2p_state.replicator import ReplicaCorruptError, ReplicationError, Replicator
 from p2p_state.state import TrainingState
-from p2p_state.transfer import Recv, Send, exchange
 
 
 def sha(t: torch.Tensor) -> str:
@@ -75,8 +74,6 @@ def replicate_and_restore(num_steps: int, chunk_bytes: int) -> dict:
 
     final = live_digest(state, num_steps)
     params_before = [(id(p), p.to_local().data_ptr()) for p in model.parameters()]
-    holder = rep.holders[0]
-    owner_of_mine = rep.owners[0]
 
     # Destroy the live state, then get it back from the buddy's replica alone.
     with torch.no_grad():
@@ -86,20 +83,9 @@ def replicate_and_restore(num_steps: int, chunk_bytes: int) -> dict:
     for _ in range(3):
         sched.step()
 
-    incoming = torch.empty(state.layout.total_bytes, dtype=torch.uint8)
-    exchange(
-        [
-            Send(
-                owner_of_mine,
-                rep.read(owner_of_mine, num_steps, 0, rep.replicas[owner_of_mine].nbytes),
-            )
-        ],
-        [Recv(holder, incoming)],
-        rep.group,
-        chunk_bytes=chunk_bytes,
-        timeout_s=60,
-    )
-    restored_step, extras = state.restore(incoming)
+    # Every rank in turn loses its state; one collective rebuilds them all from their buddies.
+    served = rep.restore_from_buddies(range(dist.get_world_size()), num_steps)
+    restored_step, extras = served["step"], served["extras"]
     after = live_digest(state, restored_step)
     params_after = [(id(p), p.to_local().data_ptr()) for p in model.parameters()]
     # Training continues from the restored state exactly like an untouched run would.
