@@ -281,6 +281,8 @@ class Replicator:
     # -- worker thread -------------------------------------------------------------------------
 
     def _work(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         while True:
             job = self._queue.get()
             if job is None:

@@ -1,0 +1,38 @@
+"""Per-rank functions for the GPU data-plane tests (NCCL + GPU memory, gloo + pinned memory)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from bench.models import build_model, lm_loss, shard, synthetic_batch
+from p2p_state.config import ReplicationConfig
+from p2p_state.replicator import Replicator
+from p2p_state.state import TrainingState
+
+
+def replicate_on_gpu(memory: str, num_steps: int) -> dict:
+    """Train on the GPU, replicate into ``memory``, restore every rank from its buddy."""
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    model = shard(build_model("tiny").cuda())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = TrainingState(model, opt)
+    rep = Replicator(state, ReplicationConfig(memory=memory, chunk_bytes=64 * 1024))
+    for step in range(1, num_steps + 1):
+        tokens = synthetic_batch(model.cfg, step=step, rank=dist.get_rank(), batch_size=2).cuda()
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        rep.replicate(step)
+    rep.flush()
+    expected = [t.clone() for t in state.live_tensors()]
+    with torch.no_grad():
+        for t in state.live_tensors():
+            t.zero_()
+    served = rep.restore_from_buddies(range(dist.get_world_size()), num_steps)
+    equal = all(torch.equal(a, b) for a, b in zip(state.live_tensors(), expected))
+    kind = rep.kind.value
+    rep.close()
+    return {"equal": equal, "step": served["step"], "kind": kind, "backend": rep.backend}
