@@ -1,1 +1,49 @@
-"""The data plane: layout, snapshots, buddy placement and replication of every rank's shard."""
+"""The data plane: every rank's shard of the model and optimizer state lives on a buddy.
+
+The pieces, each usable on its own:
+
+- :class:`TrainingState` describes a rank's live state (local FSDP shards, optimizer state, RNG,
+  scheduler, step, extras) as a :class:`StateLayout`: named byte ranges of one flat buffer.
+- :class:`Replicator` keeps double-buffered snapshots of it and replicates them to the buddies
+  chosen by :func:`place`, in the background, after every N optimizer steps.
+
+Typical use inside a training loop (every rank)::
+
+    state = p2p_state.TrainingState(model, optimizer, scheduler)
+    replicator = p2p_state.Replicator(state, p2p_state.ReplicationConfig())
+    for step in range(1, num_steps + 1):
+        ...forward, backward, optimizer.step(), scheduler.step()...
+        replicator.replicate(step, extras={"sampler_offset": offset})
+"""
+
+from p2p_state.config import ReplicationConfig
+from p2p_state.layout import LayoutMismatchError, StateLayout, TensorEntry
+from p2p_state.memory import InsufficientMemoryError, MemoryKind
+from p2p_state.placement import Placement, place
+from p2p_state.replicator import (
+    ReplicaCorruptError,
+    ReplicaInfo,
+    ReplicationError,
+    Replicator,
+    RoundStats,
+)
+from p2p_state.snapshot import SnapshotHeader
+from p2p_state.state import TrainingState
+
+__all__ = [
+    "InsufficientMemoryError",
+    "LayoutMismatchError",
+    "MemoryKind",
+    "Placement",
+    "ReplicaCorruptError",
+    "ReplicaInfo",
+    "ReplicationConfig",
+    "ReplicationError",
+    "Replicator",
+    "RoundStats",
+    "SnapshotHeader",
+    "StateLayout",
+    "TensorEntry",
+    "TrainingState",
+    "place",
+]

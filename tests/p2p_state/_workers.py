@@ -192,3 +192,16 @@ def mismatched_layouts() -> dict:
         return {"error": ""}
     except LayoutMismatchError as e:
         return {"error": str(e)}
+
+
+def refuses_what_does_not_fit() -> dict:
+    """A memory budget the snapshots cannot fit in: refused before anything is allocated."""
+    from p2p_state.memory import InsufficientMemoryError
+
+    model = build_model("tiny")
+    state = TrainingState(model, torch.optim.AdamW(model.parameters()))
+    try:
+        Replicator(state, ReplicationConfig(max_memory_fraction=1e-9))
+        return {"error": ""}
+    except InsufficientMemoryError as e:
+        return {"error": str(e)}

@@ -84,3 +84,10 @@ def test_layout_mismatch_names_both_layouts():
         msg = r["error"]
         assert "rank 0 has layout" in msg and "rank 1 has layout" in msg
         assert "param/" in msg
+
+
+def test_configuration_that_does_not_fit_is_refused_with_the_numbers_and_the_fix():
+    cfg = WorkerGroupConfig(world_size=2, ranks_per_node=1, timeout_s=120)
+    for r in run_local(_workers.refuses_what_does_not_fit, cfg):
+        assert "snapshots (2 x" in r["error"] and "replicas for ranks" in r["error"]
+        assert "max_memory_fraction" in r["error"] and "lower the replication factor" in r["error"]
