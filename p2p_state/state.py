@@ -29,7 +29,15 @@ _TENSOR_EXT = 1  # msgpack ext code of a 0-dim tensor (e.g. a capturable optimiz
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The local shard of a DTensor (the tensor itself otherwise), sharing its storage.
+
+    ``_local_tensor`` is what ``to_local()`` returns without the autograd dispatch around it;
+    on a snapshot of 200 tensors that dispatch costs about a third as much as the copy itself.
+    """
+    if isinstance(t, DTensor):
+        local = getattr(t, "_local_tensor", None)
+        return local if local is not None else t.to_local()
+    return t
 
 
 def _shard_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], int]:
@@ -129,6 +137,7 @@ class TrainingState:
         finally:
             if fresh:
                 optimizer.state.clear()
+        self._num_tensor_entries = sum(not e.name.startswith("rng/") for e in self.layout.entries)
         # id(buffer) -> (weak reference to that buffer, its views); see views().
         self._views: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
 
@@ -177,9 +186,8 @@ class TrainingState:
         Raises:
             RuntimeError: the optimizer has not built its state yet (no step taken).
         """
-        with torch.no_grad():
-            live = [_local(t).detach() for _, t in self._named_live()]
-        if len(live) + len(self._rng_entries()) != len(self.layout.entries):
+        live = [_local(t) for _, t in self._named_live()]
+        if len(live) != self._num_tensor_entries:
             raise RuntimeError(
                 "the optimizer has no state yet: take snapshots after the first optimizer step "
                 "(a restore creates the state itself)"
@@ -273,7 +281,10 @@ class TrainingState:
         src = self.live_tensors()
         pairs = [(d, s) for d, s in zip(dst, src) if d.numel()]
         if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [d for d, _ in pairs], [s for _, s in pairs], non_blocking=True
+                )
 
     def capture(self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any] = {}) -> None:
         """Write the whole state (tensors, RNG, non-tensor state) into ``buffer``."""
