@@ -146,6 +146,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark and return the report as a dict."""
+    import os
     import platform
 
     import torch
@@ -203,7 +204,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "measured_steps_per_mode": len(off),
         "machine": {
-            "cpus": __import__("os").cpu_count(),
+            "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
         },

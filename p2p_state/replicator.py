@@ -211,7 +211,7 @@ class Replicator:
 
     # -- training thread -----------------------------------------------------------------------
 
-    def replicate(self, step: int, extras: Mapping[str, Any] = {}) -> bool:
+    def replicate(self, step: int, extras: Mapping[str, Any] | None = None) -> bool:
         """Snapshot the state of ``step`` and replicate it in the background.
 
         Call after ``optimizer.step()`` (and ``scheduler.step()``). Returns at once unless the

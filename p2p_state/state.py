@@ -286,10 +286,12 @@ class TrainingState:
                     [d for d, _ in pairs], [s for _, s in pairs], non_blocking=True
                 )
 
-    def capture(self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any] = {}) -> None:
+    def capture(
+        self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any] | None = None
+    ) -> None:
         """Write the whole state (tensors, RNG, non-tensor state) into ``buffer``."""
         self.copy_tensors_into(buffer)
-        self.capture_small(buffer, step, extras)
+        self.capture_small(buffer, step, extras or {})
 
     def read_blob(self, buffer: torch.Tensor) -> dict[str, Any]:
         """Decode the non-tensor state stored in ``buffer``."""
