@@ -72,6 +72,9 @@ def replicate_and_restore(num_steps: int, chunk_bytes: int) -> dict:
         replicas = {o: sha(rep.replica_slot(o, step).buffer) for o in rep.owners}
         per_step.append({"step": step, "committed": committed, "own": own, "replicas": replicas})
 
+    from recovery.planner import shard_layout
+
+    predicted = [shard_layout(rep.layouts[0], dist.get_world_size(), r) for r in range(4)]
     final = live_digest(state, num_steps)
     params_before = [(id(p), p.to_local().data_ptr()) for p in model.parameters()]
 
@@ -100,6 +103,7 @@ def replicate_and_restore(num_steps: int, chunk_bytes: int) -> dict:
         "after": after,
         "extras": extras,
         "same_objects": params_before == params_after,
+        "planner_predicts_fsdp_layouts": predicted == rep.layouts,
         "loss_after": loss_after,
     }
 

@@ -26,6 +26,10 @@ def reference_run():
     return run_local(_workers.continue_without_fault, cfg, (NUM_STEPS,))
 
 
+def test_planner_predicts_the_layouts_fsdp2_produces(replicated_run):
+    assert all(r["planner_predicts_fsdp_layouts"] for r in replicated_run)
+
+
 def test_buddies_are_on_the_other_node(replicated_run):
     for r in replicated_run:
         assert len(r["holders"]) == 1
