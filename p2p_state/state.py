@@ -71,6 +71,13 @@ def _decode_ext(code: int, data: bytes) -> Any:
     return msgpack.ExtType(code, data)
 
 
+def _set_rng(name: str, state: torch.Tensor) -> None:
+    if name == "rng/cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state)
+
+
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily-built state without changing any parameter.
 
@@ -321,11 +328,26 @@ class TrainingState:
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         for name, _ in self._rng_entries():
             e = self.layout.entry(name)
-            state = buffer[e.offset : e.end].cpu().clone()
-            if name == "rng/cpu":
-                torch.set_rng_state(state)
-            else:
-                torch.cuda.set_rng_state(state)
+            _set_rng(name, buffer[e.offset : e.end].cpu().clone())
+        self._restore_blob(blob)
+        return blob["step"], blob["extras"]
+
+    def small_state(self, step: int, extras: Mapping[str, Any] | None = None) -> bytes:
+        """The RNG states and the non-tensor state as one msgpack document.
+
+        What a checkpoint stores per rank beside the tensors (which DCP handles): the same
+        content as a snapshot's RNG entries and blob region.
+        """
+        rng = {name: t.cpu().numpy().tobytes() for name, t in self._rng_entries()}
+        return msgpack.packb({"rng": rng, "blob": self._blob(step, extras or {})})
+
+    def load_small_state(self, data: bytes) -> tuple[int, dict[str, Any]]:
+        """Apply :meth:`small_state`; returns ``(step, extras)``."""
+        doc = msgpack.unpackb(data, raw=False)
+        blob = msgpack.unpackb(doc["blob"], raw=False, ext_hook=_decode_ext, strict_map_key=False)
+        for name, raw in doc["rng"].items():
+            if name == "rng/cpu" or self._cuda_rng:
+                _set_rng(name, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         self._restore_blob(blob)
         return blob["step"], blob["extras"]
 

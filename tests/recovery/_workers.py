@@ -69,3 +69,53 @@ def reference(num_steps: int) -> dict:
     for step in range(1, num_steps + 2):
         loss = _train_step(model, opt, sched, step)
     return {"loss": loss, "final": live_digest(state, num_steps + 1)}
+
+
+def checkpoint_round_trip(root: str) -> dict:
+    """Async save at step 2 while training on; load it back; resume; a missing one is refused."""
+    from recovery.checkpoint import CheckpointConfig, CheckpointNotFoundError, ColdCheckpointer
+
+    torch.manual_seed(1234 + dist.get_rank())
+    model, opt, sched = _setup("tiny")
+    state = TrainingState(model, opt, sched)
+    ckpt = ColdCheckpointer(CheckpointConfig(root=root, every_steps=2), state)
+    digests = {}
+    for step in range(1, 5):
+        _train_step(model, opt, sched, step)
+        ckpt.maybe_save(step, extras={"offset": step * 10})
+        digests[step] = live_digest(state, step)
+    ckpt.wait()
+    loaded_step, extras = ckpt.load(2)
+    after_load = live_digest(state, loaded_step)
+    for step in (3, 4):
+        _train_step(model, opt, sched, step)
+    replayed = live_digest(state, 4)
+    missing = ""
+    try:
+        ColdCheckpointer(CheckpointConfig(root=root + "/nothing-here"), state).load()
+    except CheckpointNotFoundError as e:
+        missing = str(e)
+    return {
+        "loaded_step": loaded_step,
+        "extras": extras,
+        "load_equals_step2": after_load == digests[2],
+        "replay_equals_step4": replayed == digests[4],
+        "step4": digests[4],
+        "missing": missing,
+    }
+
+
+def resume_in_fresh_job(root: str) -> dict:
+    """A new job (fresh processes and model) resumes from the latest checkpoint."""
+    from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
+
+    torch.manual_seed(999)
+    model, opt, sched = _setup("tiny")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = TrainingState(model, opt, sched)
+    step, extras = ColdCheckpointer(CheckpointConfig(root=root), state).load()
+    for s in range(step + 1, 5):
+        _train_step(model, opt, sched, s)
+    return {"resumed_from": step, "extras": extras, "step4": live_digest(state, 4)}

@@ -1,0 +1,225 @@
+"""The cold fallback: rare DCP checkpoints, read only when no in-memory copy can serve.
+
+Checkpoints go through ``torch.distributed.checkpoint`` (DCP), so they reshard on load and
+write to a local directory or to any fsspec URL (``s3://...`` with s3fs installed). Each lands
+in ``<root>/step-<step>/``; a checkpoint counts only once DCP has written its metadata file,
+which DCP does last, so a save cut short is never mistaken for a complete one.
+
+Beside the model and optimizer state (which DCP shards and reshards), every rank stores its
+RNG states, the LR scheduler and its extras (e.g. the data position) as one small msgpack
+document, in a tensor keyed by its rank, so loading a checkpoint puts the data position back
+with the weights. No pickle is read back: the per-rank document is msgpack bytes in a
+``uint8`` tensor.
+
+State-dict helpers run collectives: every call here is collective over the process group and
+belongs on the training thread, never on a background thread during recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from p2p_state.state import TrainingState
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+#: Capacity of the per-rank msgpack document (length-prefixed in a fixed-size uint8 tensor).
+_SMALL_STATE_BYTES = 512 * 1024
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how often the cold fallback checkpoint is written."""
+
+    root: str
+    """Directory or fsspec URL under which ``step-<n>/`` checkpoints are written."""
+    every_steps: int = 1000
+    """Save every N steps (rare: this is the fallback when a shard and all its copies are lost)."""
+    async_save: bool = True
+    """Stage to memory and write in the background (``dcp.async_save``)."""
+    timeout_s: float = 600.0
+    """Deadline for a previous asynchronous save to finish before the next one starts."""
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("CheckpointConfig.root must name a directory or an fsspec URL")
+        if self.every_steps < 1:
+            raise ValueError(f"CheckpointConfig.every_steps must be >= 1, got {self.every_steps}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"CheckpointConfig.timeout_s must be > 0, got {self.timeout_s}")
+
+
+def _fs(root: str):
+    import fsspec  # an install requirement of torch's DCP fsspec support; local paths too
+
+    fs, path = fsspec.core.url_to_fs(root)
+    return fs, path
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, ascending (empty if there are none)."""
+    try:
+        fs, path = _fs(root)
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, ImportError):
+        return []
+    steps = []
+    for entry in entries:
+        m = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if m and fs.exists(f"{entry.rstrip('/')}/.metadata"):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+class ColdCheckpointer:
+    """Writes DCP checkpoints every ``every_steps`` steps and loads the latest on demand.
+
+    Construction is collective: by default it creates a gloo process group of its own, because
+    an asynchronous save finishes with collectives on a background thread, which must never
+    interleave with the training thread's collectives on the same group.
+
+    Args:
+        config: Where and how often.
+        state: The training state (its model, optimizer and scheduler are checkpointed).
+        group: Process group for DCP's collectives (default: a new gloo group).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        state: TrainingState,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self._pending: Future | None = None
+        self._pending_step = -1
+
+    def _path(self, step: int) -> str:
+        return f"{self.config.root.rstrip('/')}/step-{step:09d}"
+
+    def _state_dict(self, step: int | None = None, extras: Any = None) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(
+            self.state.model,
+            [self.state.optimizer] if self.state.optimizer is not None else [],
+            options=StateDictOptions(),
+        )
+        small = torch.zeros(_SMALL_STATE_BYTES, dtype=torch.uint8)
+        if step is not None:
+            data = self.state.small_state(step, extras)
+            if len(data) + 4 > _SMALL_STATE_BYTES:
+                raise ValueError(
+                    f"the per-rank checkpoint document needs {len(data)} bytes, more than "
+                    f"{_SMALL_STATE_BYTES}; keep the extras small"
+                )
+            small[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+            small[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rank = dist.get_rank(self.group)
+        world = torch.tensor([dist.get_world_size(self.group)], dtype=torch.int64)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            f"rank_state/{rank}": small,
+            "meta/world_size": world,
+        }
+
+    def maybe_save(self, step: int, extras: Any = None) -> bool:
+        """Save if ``step`` is a multiple of ``every_steps``; returns whether it did."""
+        if step % self.config.every_steps:
+            return False
+        self.save(step, extras)
+        return True
+
+    def save(self, step: int, extras: Any = None) -> None:
+        """Checkpoint the current state as ``step`` (collective)."""
+        self.wait()
+        sd = self._state_dict(step, extras)
+        if self.config.async_save:
+            result = dcp.async_save(sd, checkpoint_id=self._path(step), process_group=self.group)
+            self._pending = getattr(result, "upload_completion", result)
+            self._pending_step = step
+        else:
+            dcp.save(sd, checkpoint_id=self._path(step), process_group=self.group)
+        logger.info("checkpoint of step %d %s", step, "started" if self._pending else "written")
+
+    def wait(self) -> None:
+        """Wait (up to ``timeout_s``) for an asynchronous save in progress to finish."""
+        if self._pending is None:
+            return
+        try:
+            self._pending.result(timeout=self.config.timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"the checkpoint of step {self._pending_step} did not finish writing within "
+                f"{self.config.timeout_s:.0f}s (CheckpointConfig.timeout_s)"
+            ) from e
+        finally:
+            self._pending = None
+
+    def load(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """Load a checkpoint (the latest complete one by default) into the live state.
+
+        Collective. The model and optimizer are resharded by DCP if the world size changed; a
+        rank beyond the saved world size takes the RNG and extras of rank ``rank % saved``.
+
+        Returns:
+            ``(step, extras)`` as saved.
+
+        Raises:
+            CheckpointNotFoundError: there is no complete checkpoint (of that step) under root.
+        """
+        self.wait()
+        steps = complete_steps(self.config.root)
+        if step is None:
+            if not steps:
+                raise CheckpointNotFoundError(
+                    f"no complete checkpoint under {self.config.root!r}: nothing to resume from; "
+                    "check the path (CheckpointConfig.root / --resume) or start without resuming"
+                )
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointNotFoundError(
+                f"no complete checkpoint of step {step} under {self.config.root!r}; "
+                f"complete ones: {steps or 'none'}"
+            )
+        path = self._path(step)
+        meta = {"meta/world_size": torch.zeros(1, dtype=torch.int64)}
+        dcp.load(meta, checkpoint_id=path, process_group=self.group)
+        saved_world = int(meta["meta/world_size"].item())
+        rank = dist.get_rank(self.group)
+        sd = self._state_dict()
+        source_rank = rank % saved_world
+        sd.pop(f"rank_state/{rank}")
+        sd[f"rank_state/{source_rank}"] = torch.zeros(_SMALL_STATE_BYTES, dtype=torch.uint8)
+        sd.pop("meta/world_size")
+        dcp.load(sd, checkpoint_id=path, process_group=self.group)
+        set_state_dict(
+            self.state.model,
+            [self.state.optimizer] if self.state.optimizer is not None else [],
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+        )
+        small = sd[f"rank_state/{source_rank}"]
+        n = int.from_bytes(bytes(small[:4].tolist()), "little")
+        loaded_step, extras = self.state.load_small_state(small[4 : 4 + n].numpy().tobytes())
+        logger.info("loaded checkpoint of step %d from %s", loaded_step, path)
+        return loaded_step, extras
