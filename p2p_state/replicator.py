@@ -501,8 +501,11 @@ class Replicator:
                     Send(r, slot.buffer[: slot.header.nbytes]),
                 ]
             elif r == self.rank:
-                incoming = torch.empty(self.state.layout.total_bytes, dtype=torch.uint8)
-                incoming = incoming.to(self.own.slots[0].buffer.device)
+                incoming = torch.empty(
+                    self.state.layout.total_bytes,
+                    dtype=torch.uint8,
+                    device=self.own.slots[0].buffer.device,
+                )
                 recvs += [Recv(holder, incoming_header.view(torch.uint8)), Recv(holder, incoming)]
                 result = {"holder": holder, "nbytes": incoming.numel()}
         exchange(
