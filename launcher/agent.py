@@ -1,0 +1,291 @@
+"""The node agent: starts and watches the node's rank processes and hot spares.
+
+One single-threaded event loop polls, with a timeout, the DEALER socket to the coordinator, a
+pidfd per child (a child's exit wakes the loop at once: no polling interval) and the signal
+wake-up pipe. It sends its own heartbeat, reports every exit with its code, kills what the
+coordinator declares hung, starts spares on request, and on every way out (the job's end,
+SIGINT, SIGTERM, an error) terminates every child it started. Children also get
+``PR_SET_PDEATHSIG``, so they die with the agent even if it is SIGKILLed: a lost agent is a
+lost node, and its processes must not linger as ghosts in the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from launcher import protocol
+from launcher.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+#: How long children get between SIGTERM and SIGKILL when the agent shuts down.
+_TERMINATE_GRACE_S = 3.0
+
+
+class AgentError(RuntimeError):
+    """The agent cannot run its node (e.g. the coordinator refused it)."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentConfig:
+    """What one node runs."""
+
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    spares: int
+    command: tuple[str, ...]
+    """The program and its arguments (e.g. ``(python, script.py, --lr, 3e-4)``)."""
+    coordinator: str
+    job_id: str
+    secret_file: str
+    run_dir: str
+    heartbeat_interval_s: float = 0.5
+    welcome_timeout_s: float = 60.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Child:
+    identity: str
+    role: str
+    rank: int | None
+    proc: subprocess.Popen
+    pidfd: int
+
+
+class Agent:
+    """Runs one node of a job until the coordinator ends it or a signal arrives."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.identity = f"agent/{config.node_rank}"
+        self.codec = protocol.Codec(
+            protocol.read_secret(config.secret_file), config.job_id, self.identity
+        )
+        self.events = EventLog(config.run_dir, self.identity)
+        self.children: dict[int, _Child] = {}
+        self._spawned = 0
+        self._signal: int | None = None
+        self.store_port = 0
+
+    # -- children ------------------------------------------------------------------------------
+
+    def _env(self, identity: str, role: str, rank: int | None, local_rank: int | None) -> dict:
+        cfg = self.config
+        env = dict(os.environ)
+        env.update(cfg.extra_env)
+        world = cfg.nnodes * cfg.nproc_per_node
+        host = cfg.coordinator.rsplit(":", 1)[0]
+        env.update(
+            {
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+                "GROUP_RANK": str(cfg.node_rank),
+                "GROUP_WORLD_SIZE": str(cfg.nnodes),
+                "MASTER_ADDR": host,
+                "MASTER_PORT": str(self.store_port),
+                # Every rank is a client of the coordinator's store, which outlives any rank.
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                protocol.ENV_COORDINATOR: cfg.coordinator,
+                protocol.ENV_JOB_ID: cfg.job_id,
+                protocol.ENV_SECRET_FILE: cfg.secret_file,
+                protocol.ENV_ROLE: role,
+                protocol.ENV_IDENTITY: identity,
+                protocol.ENV_NODE_RANK: str(cfg.node_rank),
+                protocol.ENV_HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval_s),
+                protocol.ENV_RUN_DIR: cfg.run_dir,
+            }
+        )
+        if cfg.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
+        if rank is not None:
+            env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), ROLE_RANK=str(rank))
+        else:
+            for var in ("RANK", "LOCAL_RANK", "ROLE_RANK"):
+                env.pop(var, None)
+        return env
+
+    def _spawn(self, role: str, rank: int | None = None, local_rank: int | None = None) -> None:
+        self._spawned += 1
+        identity = f"{role}/{self.config.node_rank}/{self._spawned}"
+        proc = subprocess.Popen(
+            list(self.config.command),
+            env=self._env(identity, role, rank, local_rank),
+            preexec_fn=_die_with_parent,
+        )
+        pidfd = os.pidfd_open(proc.pid)
+        self.children[pidfd] = _Child(identity, role, rank, proc, pidfd)
+        self.events.write("process_started", identity=identity, role=role, rank=rank, pid=proc.pid)
+
+    def _reap(self, pidfd: int, sock: zmq.Socket) -> None:
+        child = self.children.pop(pidfd)
+        code = child.proc.wait()
+        os.close(pidfd)
+        self.events.write(
+            "process_exited",
+            identity=child.identity,
+            pid=child.proc.pid,
+            code=code,
+            rank=child.rank,
+        )
+        self._send(
+            sock,
+            protocol.EXITED,
+            {
+                "identity": child.identity,
+                "pid": child.proc.pid,
+                "code": code,
+                "rank": child.rank,
+                "role": child.role,
+            },
+        )
+
+    def _kill(self, identity: str, pid: int, reason: str) -> None:
+        for child in self.children.values():
+            if child.identity == identity and child.proc.pid == pid:
+                logger.warning("killing %s (pid %d): %s", identity, pid, reason)
+                self.events.write("process_killed", identity=identity, pid=pid, reason=reason)
+                child.proc.kill()  # SIGKILL also ends a SIGSTOPped process
+                return
+
+    def terminate_all(self) -> None:
+        """SIGTERM every child, then SIGKILL whatever is left after a grace period."""
+        for child in self.children.values():
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        for child in self.children.values():
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        for pidfd in list(self.children):
+            os.close(pidfd)
+        self.children.clear()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _send(self, sock: zmq.Socket, type_: str, body: dict) -> None:
+        sock.send_multipart(self.codec.encode(type_, body))
+
+    def run(self) -> int:
+        """Start the node's processes and serve until the job ends; returns the exit code."""
+        cfg = self.config
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(f"tcp://{cfg.coordinator}")
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        old_wakeup = signal.set_wakeup_fd(wake_w)
+        old_handlers = {
+            s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            self._send(
+                sock,
+                protocol.HELLO,
+                {
+                    "role": "agent",
+                    "node": cfg.node_rank,
+                    "pid": os.getpid(),
+                    "world_size": cfg.nnodes * cfg.nproc_per_node,
+                    "nproc_per_node": cfg.nproc_per_node,
+                },
+            )
+            if not sock.poll(cfg.welcome_timeout_s * 1000):
+                raise TimeoutError(
+                    f"no answer from the coordinator at {cfg.coordinator} within "
+                    f"{cfg.welcome_timeout_s:.0f}s; check --coordinator and that node 0 runs"
+                )
+            first = self.codec.decode(sock.recv_multipart())
+            if first.type == protocol.SHUTDOWN:
+                raise SystemExit(
+                    f"p2p-run: the coordinator refused this node: {first.body['reason']}"
+                )
+            self.store_port = int(first.body["store_port"])
+            for local in range(cfg.nproc_per_node):
+                self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
+            for _ in range(cfg.spares):
+                self._spawn("spare")
+            return self._serve(sock, wake_r)
+        finally:
+            self.terminate_all()
+            signal.set_wakeup_fd(old_wakeup)
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            os.close(wake_r)
+            os.close(wake_w)
+            sock.close(linger=500)
+            ctx.term()
+            self.events.close()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signal = signum
+
+    def _serve(self, sock: zmq.Socket, wake_r: int) -> int:
+        next_beat = 0.0
+        while True:
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(wake_r, zmq.POLLIN)
+            for pidfd in self.children:
+                poller.register(pidfd, zmq.POLLIN)
+            timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+            for item, _ in poller.poll(timeout_ms):
+                if item is sock:
+                    code = self._receive(sock)
+                    if code is not None:
+                        return code
+                elif item == wake_r:
+                    os.read(wake_r, 4096)
+                elif item in self.children:
+                    self._reap(item, sock)
+            if self._signal is not None:
+                self.events.write("agent_interrupted", signal=self._signal)
+                return 128 + self._signal
+            if time.monotonic() >= next_beat:
+                self._send(sock, protocol.HEARTBEAT, {})
+                next_beat = time.monotonic() + self.config.heartbeat_interval_s
+
+    def _receive(self, sock: zmq.Socket) -> int | None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                msg = self.codec.decode(frames)
+            except protocol.Rejected as e:
+                logger.warning("dropped a control message: %s", e.reason)
+                continue
+            if msg.sender != "coordinator":
+                continue
+            if msg.type == protocol.KILL:
+                self._kill(str(msg.body["identity"]), int(msg.body["pid"]), str(msg.body["reason"]))
+            elif msg.type == protocol.SPAWN_SPARE:
+                self._spawn("spare")
+            elif msg.type == protocol.SHUTDOWN:
+                self.events.write("agent_shutdown", **msg.body)
+                return int(msg.body.get("code", 0))
+
+
+def run_agent(config: AgentConfig) -> int:
+    """Run an agent; its exit code is the job's (or 128 + signal)."""
+    return Agent(config).run()

@@ -1,0 +1,239 @@
+"""``p2p-run``: a torchrun-style launcher with a fault-tolerant control plane.
+
+    p2p-run --nnodes 2 --nproc-per-node 4 --node-rank 0 --spares 1 train.py --lr 3e-4
+
+The process with node rank 0 starts the job's coordinator (its own process, so it outlives any
+rank) unless ``--coordinator`` names one that runs elsewhere; every ``p2p-run`` then runs its
+node's agent. Several ``p2p-run`` processes on one machine with different ``--node-rank`` form
+one job: that is how multi-node runs are tested on one host. User mistakes end with one line on
+stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launcher import protocol
+from launcher.agent import AgentConfig, AgentError, _die_with_parent, run_agent
+from launcher.coordinator import COORDINATOR_FILE
+
+#: How long node 0 waits for its coordinator to listen.
+_COORDINATOR_START_S = 60.0
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + error
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (torchrun's names where they mean the same thing)."""
+    p = _Parser(prog="p2p-run", description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=1,
+        help="rank processes per node (default 1)",
+    )
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="host:port of the coordinator; node 0 starts one there (port 0: any)",
+    )
+    p.add_argument("--spares", type=int, default=0, help="hot spare processes on this node")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="silence after which a process is lost, seconds (default 3)",
+    )
+    p.add_argument(
+        "--ack-timeout",
+        type=float,
+        default=10.0,
+        help="deadline to acknowledge a new generation, seconds (default 10)",
+    )
+    p.add_argument(
+        "--spare-wait",
+        type=float,
+        default=60.0,
+        help="how long a lost rank may wait for a spare, seconds (default 60)",
+    )
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="directory for the event log, secret and coordinator address (default runs/<job-id>)",
+    )
+    p.add_argument("--job-id", "--rdzv-id", default="p2p-job", help="job name (default p2p-job)")
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        help="per-job secret (mode 0600); node 0 creates <run-dir>/secret if absent",
+    )
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.nnodes < 1 or args.nproc_per_node < 1:
+        raise UsageError("--nnodes and --nproc-per-node must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UsageError(
+            f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes})"
+        )
+    if args.spares < 0:
+        raise UsageError("--spares must be >= 0")
+    if args.heartbeat_interval <= 0 or args.heartbeat_timeout <= args.heartbeat_interval:
+        raise UsageError("--heartbeat-timeout must be larger than --heartbeat-interval > 0")
+    if not args.module and not Path(args.script).is_file():
+        raise UsageError(f"script {args.script} does not exist")
+    if args.node_rank > 0 and not args.coordinator:
+        raise UsageError("nodes other than 0 need --coordinator host:port (node 0's address)")
+    if args.coordinator:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise UsageError(f"--coordinator {args.coordinator!r} is not host:port")
+
+
+def _secret_file(args: argparse.Namespace, run_dir: Path) -> str:
+    if args.secret_file:
+        path = args.secret_file
+    else:
+        path = str(run_dir / "secret")
+        if args.node_rank == 0 and not Path(path).exists():
+            protocol.write_secret(path)
+    try:
+        protocol.read_secret(path)
+    except ValueError as e:
+        raise UsageError(f"{e} (--secret-file)") from None
+    return path
+
+
+def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> tuple:
+    host, port = "127.0.0.1", 0
+    if args.coordinator:
+        host, _, p = args.coordinator.rpartition(":")
+        port = int(p)
+    if port:
+        with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise UsageError(
+                    f"cannot start the coordinator on {host}:{port}: {e.strerror}"
+                ) from None
+    address_file = run_dir / COORDINATOR_FILE
+    address_file.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.coordinator",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--job-id",
+        args.job_id,
+        "--secret-file",
+        secret,
+        "--run-dir",
+        str(run_dir),
+        "--world-size",
+        str(args.nnodes * args.nproc_per_node),
+        "--ranks-per-node",
+        str(args.nproc_per_node),
+        "--heartbeat-timeout",
+        str(args.heartbeat_timeout),
+        "--ack-timeout",
+        str(args.ack_timeout),
+        "--spare-wait",
+        str(args.spare_wait),
+    ]
+    proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    deadline = time.monotonic() + _COORDINATOR_START_S
+    while not address_file.exists():
+        if proc.poll() is not None:
+            raise UsageError(f"the coordinator exited with code {proc.returncode} at start-up")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise UsageError(f"the coordinator did not start within {_COORDINATOR_START_S:.0f}s")
+        try:
+            proc.wait(timeout=0.05)  # wakes early if it dies
+        except subprocess.TimeoutExpired:
+            pass
+    info = json.loads(address_file.read_text())
+    return proc, f"{host}:{info['port']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``p2p-run`` console script."""
+    coordinator = None
+    try:
+        args = build_parser().parse_args(argv)
+        _validate(args)
+        run_dir = Path(args.run_dir or Path("runs") / args.job_id).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        secret = _secret_file(args, run_dir)
+        address = args.coordinator
+        if args.node_rank == 0:
+            coordinator, address = _start_coordinator(args, run_dir, secret)
+        command = (
+            (sys.executable, "-u", "-m", args.script, *args.script_args)
+            if args.module
+            else (sys.executable, "-u", args.script, *args.script_args)
+        )
+        code = run_agent(
+            AgentConfig(
+                node_rank=args.node_rank,
+                nnodes=args.nnodes,
+                nproc_per_node=args.nproc_per_node,
+                spares=args.spares,
+                command=command,
+                coordinator=address,
+                job_id=args.job_id,
+                secret_file=secret,
+                run_dir=str(run_dir),
+                heartbeat_interval_s=args.heartbeat_interval,
+            )
+        )
+        if coordinator is not None:
+            try:
+                coordinator.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                coordinator.terminate()
+        return code
+    except UsageError as e:
+        print(f"p2p-run: error: {e}", file=sys.stderr)
+        return 2
+    except (TimeoutError, AgentError) as e:
+        print(f"p2p-run: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if coordinator is not None and coordinator.poll() is None:
+            coordinator.terminate()
+            try:
+                coordinator.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                coordinator.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The rank-side control-plane client: what a training process (or a spare) talks through.
+
+One DEALER socket to the coordinator, owned by one background thread: it sends a heartbeat every
+interval, sends what the training thread queues (replication reports, errors, acknowledgements),
+and delivers what arrives (generations, shutdown) to a thread-safe queue and an optional
+callback. ZeroMQ sockets are not thread-safe, so the training thread never touches the socket:
+it queues a message and wakes the thread through a pipe.
+
+A new generation arrives as one message with everything recovery needs (see
+:class:`launcher.membership.Generation`): ``generation``, ``world_size``, ``ranks`` (rank ->
+identity), ``nodes`` (rank -> node), ``replaced`` (rank -> [old, new] identity), ``lost``,
+``committed_step`` and ``store_prefix``; :meth:`ControlClient.store_address` gives the store.
+
+This module imports nothing from ``launcher`` but :mod:`launcher.protocol`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from launcher import protocol
+
+logger = logging.getLogger(__name__)
+
+
+class ControlPlaneTimeout(TimeoutError):
+    """A wait on the control plane passed its deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """How a process reaches the coordinator (normally read from ``P2P_*`` variables)."""
+
+    coordinator: str
+    """``host:port``."""
+    job_id: str
+    secret_file: str
+    identity: str
+    role: str
+    node: int
+    heartbeat_interval_s: float = 0.5
+
+    @classmethod
+    def from_env(cls) -> ClientConfig:
+        """Build from the environment ``p2p-run`` sets; ``ValueError`` names what is missing."""
+        missing = [
+            v
+            for v in (
+                protocol.ENV_COORDINATOR,
+                protocol.ENV_JOB_ID,
+                protocol.ENV_SECRET_FILE,
+                protocol.ENV_IDENTITY,
+                protocol.ENV_ROLE,
+            )
+            if not os.environ.get(v)
+        ]
+        if missing:
+            raise ValueError(
+                f"{', '.join(missing)} not set: start this script with p2p-run to use the "
+                "control plane"
+            )
+        return cls(
+            coordinator=os.environ[protocol.ENV_COORDINATOR],
+            job_id=os.environ[protocol.ENV_JOB_ID],
+            secret_file=os.environ[protocol.ENV_SECRET_FILE],
+            identity=os.environ[protocol.ENV_IDENTITY],
+            role=os.environ[protocol.ENV_ROLE],
+            node=int(os.environ.get(protocol.ENV_NODE_RANK, "0")),
+            heartbeat_interval_s=float(os.environ.get(protocol.ENV_HEARTBEAT_INTERVAL, "0.5")),
+        )
+
+
+class ControlClient:
+    """Connects, heartbeats, reports and receives generations in a background thread.
+
+    Args:
+        config: Address, identity and heartbeat interval.
+        rank: The rank this process starts as (``None`` for a spare).
+        on_generation: Called from the background thread with each generation's body (e.g. to
+            interrupt a blocked step). Keep it short; the body also goes to :meth:`next_event`.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        rank: int | None = None,
+        on_generation: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self._on_generation = on_generation
+        self._codec = protocol.Codec(
+            protocol.read_secret(config.secret_file), config.job_id, config.identity
+        )
+        self._outbox: queue.Queue[tuple[str, dict, int]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self._welcome = threading.Event()
+        self.store_port = 0
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="p2p-control-client", daemon=True)
+        self._thread.start()
+
+    # -- training-thread API -------------------------------------------------------------------
+
+    def report_replicated(self, step: int) -> None:
+        """Tell the coordinator this rank has replicated ``step``."""
+        self._post(protocol.REPLICATED, {"step": int(step)})
+
+    def report_error(self, reason: str) -> None:
+        """Report a failed or timed-out collective: the coordinator treats this rank as lost."""
+        self._post(protocol.ERROR, {"reason": reason[:1000]})
+
+    def ack(self, generation: int) -> None:
+        """Acknowledge a generation (after this rank has joined it)."""
+        self._post(protocol.ACK, {"generation": int(generation)}, generation)
+
+    def store_address(self, timeout_s: float = 30.0) -> tuple[str, int]:
+        """``(host, port)`` of the rendezvous store, once the coordinator has welcomed us."""
+        if not self._welcome.wait(timeout_s):
+            raise ControlPlaneTimeout(
+                f"no answer from the coordinator at {self.config.coordinator} within "
+                f"{timeout_s:.0f}s; is p2p-run's coordinator running?"
+            )
+        return self.config.coordinator.rsplit(":", 1)[0], self.store_port
+
+    def next_event(self, timeout_s: float) -> tuple[str, dict[str, Any]]:
+        """The next ``(type, body)`` from the coordinator (``generation`` or ``shutdown``).
+
+        Raises:
+            ControlPlaneTimeout: nothing arrived within ``timeout_s``.
+        """
+        try:
+            return self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ControlPlaneTimeout(
+                f"{self.config.identity}: no message from the coordinator within {timeout_s:.0f}s"
+            ) from None
+
+    def wait_for_assignment(self, timeout_s: float) -> dict[str, Any]:
+        """For a spare: block until a generation gives this process a rank.
+
+        Returns:
+            The generation body; ``body["ranks"]`` maps the assigned rank (a string key) to this
+            process's identity.
+
+        Raises:
+            ControlPlaneTimeout: not assigned within ``timeout_s``.
+            RuntimeError: the job shut down first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ControlPlaneTimeout(
+                    f"spare {self.config.identity} was not assigned a rank within {timeout_s:.0f}s"
+                )
+            kind, body = self.next_event(remaining)
+            if kind == protocol.SHUTDOWN:
+                raise RuntimeError(f"the job ended before this spare was needed: {body}")
+            if kind == protocol.GENERATION and self.config.identity in body["ranks"].values():
+                self.rank = next(
+                    int(r) for r, i in body["ranks"].items() if i == self.config.identity
+                )
+                return body
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the background thread and close the socket (bounded linger)."""
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout_s)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- background thread ---------------------------------------------------------------------
+
+    def _post(self, type_: str, body: dict, generation: int = 0) -> None:
+        self._outbox.put((type_, body, generation))
+        os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.config.identity.encode())
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(f"tcp://{self.config.coordinator}")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        hello = {"role": self.config.role, "node": self.config.node, "pid": os.getpid()}
+        if self.rank is not None:
+            hello["rank"] = self.rank
+        sock.send_multipart(self._codec.encode(protocol.HELLO, hello))
+        next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                for item, _ in poller.poll(timeout_ms):
+                    if item is sock:
+                        self._receive(sock)
+                    else:
+                        os.read(self._wake_r, 4096)
+                while True:
+                    try:
+                        type_, body, gen = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    sock.send_multipart(self._codec.encode(type_, body, gen))
+                if time.monotonic() >= next_beat:
+                    sock.send_multipart(self._codec.encode(protocol.HEARTBEAT))
+                    next_beat = time.monotonic() + self.config.heartbeat_interval_s
+        finally:
+            sock.close(linger=500)
+            ctx.term()
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self._codec.decode(frames)
+            except protocol.Rejected as e:
+                logger.warning("dropped a control message: %s", e.reason)
+                continue
+            if msg.sender != "coordinator":
+                logger.warning("dropped a message from %s (not the coordinator)", msg.sender)
+                continue
+            if msg.type == protocol.WELCOME:
+                self.store_port = int(msg.body.get("store_port", 0))
+                self._welcome.set()
+            elif msg.type in (protocol.GENERATION, protocol.SHUTDOWN):
+                self.inbox.put((msg.type, msg.body))
+                if msg.type == protocol.GENERATION and self._on_generation is not None:
+                    try:
+                        self._on_generation(msg.body)
+                    except Exception:
+                        logger.exception("generation callback failed")

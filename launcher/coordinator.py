@@ -1,0 +1,299 @@
+"""The coordinator: one per job, a ROUTER socket around the membership state machine.
+
+It is not a training rank and holds no training state, so the death of any rank (rank 0
+included) never stops it. It hosts the rendezvous ``TCPStore`` for the ranks' process groups
+(torchrun-style ``MASTER_ADDR``/``MASTER_PORT`` point at it, with a fresh key prefix per
+generation) and runs a single-threaded event loop: every wait is a poll with a timeout, and
+every network input goes through :class:`launcher.protocol.Codec` before it can change anything.
+
+Run as ``python -m launcher.coordinator --run-dir DIR ...``: it writes ``coordinator.json``
+(its address and the store's) into the run directory once it is listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from launcher import protocol
+from launcher.events import EventLog
+from launcher.membership import (
+    End,
+    Event,
+    Kill,
+    Membership,
+    MembershipConfig,
+    Process,
+    Send,
+    SpawnSpare,
+)
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_FILE = "coordinator.json"
+COORDINATOR_IDENTITY = "coordinator"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    """Where the coordinator listens and how it decides."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 picks a free port (written to coordinator.json)."""
+    job_id: str = "p2p-job"
+    secret_file: str
+    run_dir: str
+    membership: MembershipConfig
+    tick_s: float = 0.05
+    """How often deadlines are checked when no message arrives."""
+    host_store: bool = True
+    """Host the torch TCPStore for the ranks' rendezvous (needs torch)."""
+
+
+class Coordinator:
+    """Owns membership, generations, the committed step and the rendezvous store."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.codec = protocol.Codec(
+            protocol.read_secret(config.secret_file), config.job_id, COORDINATOR_IDENTITY
+        )
+        self.membership = Membership(config.membership)
+        self.events = EventLog(config.run_dir, COORDINATOR_IDENTITY)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        if config.port:
+            self.sock.bind(f"tcp://{config.host}:{config.port}")
+            self.port = config.port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.store = None
+        self.store_port = 0
+        if config.host_store:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                config.host,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=60),
+            )
+            self.store_port = self.store.port
+        self.dropped = 0
+        self.exit_code: int | None = None
+
+    def publish_address(self) -> None:
+        """Write coordinator.json atomically so agents and tests can find this job."""
+        path = Path(self.config.run_dir) / COORDINATOR_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "host": self.config.host,
+                    "port": self.port,
+                    "store_port": self.store_port,
+                    "job_id": self.config.job_id,
+                    "pid": os.getpid(),
+                }
+            )
+        )
+        os.replace(tmp, path)
+        self.events.write("coordinator_started", port=self.port, store_port=self.store_port)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def serve(self, stop_after_s: float | None = None) -> int:
+        """Run until the job ends (returns its exit code) or ``stop_after_s`` passes."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+        while self.exit_code is None:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            if poller.poll(self.config.tick_s * 1000):
+                # Drain everything queued before checking deadlines again.
+                while self.exit_code is None:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle_frames(frames)
+            self._apply(self.membership.tick(time.monotonic()))
+        return self.exit_code if self.exit_code is not None else 0
+
+    def handle_frames(self, frames: list[bytes]) -> None:
+        """Authenticate, decode and act on one message; drop anything invalid with a reason."""
+        now = time.monotonic()
+        try:
+            if len(frames) < 1:
+                raise protocol.Rejected("empty message")
+            routing = frames[0].decode("utf-8", errors="replace")
+            msg = self.codec.decode(frames[1:], routing_id=routing)
+        except protocol.Rejected as e:
+            self.dropped += 1
+            logger.warning("dropped a control message: %s", e.reason)
+            self.events.write("message_dropped", reason=e.reason)
+            return
+        self.membership.heartbeat(msg.sender, now)
+        try:
+            self._dispatch(msg, now)
+        except (KeyError, TypeError, ValueError) as e:
+            self.dropped += 1
+            logger.warning("dropped a malformed %s from %s: %r", msg.type, msg.sender, e)
+            self.events.write("message_dropped", reason=f"malformed {msg.type} body: {e!r}")
+
+    def _dispatch(self, msg: protocol.Message, now: float) -> None:
+        body = msg.body
+        if msg.type == protocol.HELLO:
+            proc = Process(msg.sender, str(body["role"]), int(body["node"]), int(body["pid"]))
+            if proc.role not in ("rank", "spare", "agent"):
+                raise ValueError(f"unknown role {proc.role!r}")
+            rank = body.get("rank")
+            world = self.config.membership.world_size
+            if proc.role == "agent" and int(body.get("world_size", world)) != world:
+                reason = (
+                    f"node {proc.node} was started for a world of {body.get('world_size')} "
+                    f"ranks but the job has {world} (--nnodes x --nproc-per-node must match "
+                    "on every node)"
+                )
+                self.events.write("node_refused", node=proc.node, reason=reason)
+                self._send(msg.sender, protocol.SHUTDOWN, {"code": 2, "reason": reason})
+                return
+            self._send(
+                msg.sender,
+                protocol.WELCOME,
+                {"store_port": self.store_port, "generation": self.membership.generation},
+            )
+            self.events.write("hello", identity=msg.sender, role=proc.role, node=proc.node)
+            self._apply(self.membership.hello(proc, None if rank is None else int(rank), now))
+        elif msg.type == protocol.HEARTBEAT:
+            pass
+        elif msg.type == protocol.REPLICATED:
+            self._apply(self.membership.report_replicated(msg.sender, int(body["step"])))
+        elif msg.type == protocol.ERROR:
+            proc = self.membership.procs.get(msg.sender)
+            self.events.write("rank_error", identity=msg.sender, reason=str(body.get("reason")))
+            if proc is not None:
+                self._apply([Kill(proc.node, msg.sender, proc.pid, "reported an error")])
+            self._apply(self.membership.fault(msg.sender, f"reported: {body.get('reason')}", now))
+        elif msg.type == protocol.ACK:
+            self._apply(self.membership.ack(msg.sender, int(body["generation"]), now))
+        elif msg.type == protocol.EXITED:
+            identity = str(body["identity"])
+            self.events.write("process_exited", identity=identity, code=int(body["code"]))
+            self.codec.forget(identity)
+            rank = body.get("rank")
+            self._apply(
+                self.membership.exited(
+                    identity, int(body["code"]), now, None if rank is None else int(rank)
+                )
+            )
+        else:
+            raise ValueError(f"{msg.type} is not a message the coordinator accepts")
+
+    def _apply(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Event):
+                self.events.write(action.name, **action.fields)
+            elif isinstance(action, Send):
+                body = action.generation.to_body()
+                for identity in action.to:
+                    self._send(identity, protocol.GENERATION, body, action.generation.generation)
+            elif isinstance(action, Kill):
+                self.events.write(
+                    "kill_requested",
+                    identity=action.identity,
+                    pid=action.pid,
+                    reason=action.reason,
+                )
+                self._send(
+                    f"agent/{action.node}",
+                    protocol.KILL,
+                    {"identity": action.identity, "pid": action.pid, "reason": action.reason},
+                )
+            elif isinstance(action, SpawnSpare):
+                self.events.write("spare_requested", node=action.node)
+                self._send(f"agent/{action.node}", protocol.SPAWN_SPARE, {})
+            elif isinstance(action, End):
+                for identity in list(self.membership.procs):
+                    self._send(
+                        identity, protocol.SHUTDOWN, {"code": action.code, "reason": action.reason}
+                    )
+                self.exit_code = action.code
+
+    def _send(self, identity: str, type_: str, body: dict, generation: int = 0) -> None:
+        frames = self.codec.encode(type_, body, generation or self.membership.generation)
+        try:
+            self.sock.send_multipart([identity.encode(), *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("could not send %s to %s: %s", type_, identity, e)
+
+    def close(self) -> None:
+        """Close the socket (bounded linger), the store and the event log."""
+        self.sock.close(linger=500)
+        self.ctx.term()
+        self.events.close()
+        self.store = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m launcher.coordinator``: the coordinator process of a job."""
+    p = argparse.ArgumentParser(prog="p2p-coordinator")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--job-id", default="p2p-job")
+    p.add_argument("--secret-file", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--ranks-per-node", type=int, required=True)
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    p.add_argument("--ack-timeout", type=float, default=10.0)
+    p.add_argument("--spare-wait", type=float, default=60.0)
+    p.add_argument("--no-store", action="store_true", help="do not host a TCPStore (no torch)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            host=args.host,
+            port=args.port,
+            job_id=args.job_id,
+            secret_file=args.secret_file,
+            run_dir=args.run_dir,
+            host_store=not args.no_store,
+            membership=MembershipConfig(
+                world_size=args.world_size,
+                ranks_per_node=args.ranks_per_node,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                ack_timeout_s=args.ack_timeout,
+                spare_wait_s=args.spare_wait,
+            ),
+        )
+    )
+    try:
+        coordinator.publish_address()
+        return coordinator.serve()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        coordinator.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The JSON-lines event log: every control-plane decision, with monotonic timestamps.
+
+One object per line: ``{"t": <time.monotonic()>, "wall": <time.time()>, "event": <name>, ...}``.
+``t`` is CLOCK_MONOTONIC, comparable across processes of one machine, which is what phase
+timings need; ``wall`` is for people. Writers append whole lines with ``O_APPEND``, so several
+processes (coordinator, agents, ranks) can share one file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to ``<run_dir>/events.jsonl`` (or nowhere when ``run_dir`` is None)."""
+
+    def __init__(self, run_dir: str | os.PathLike | None, source: str) -> None:
+        self.source = source
+        self._fd = None
+        if run_dir is not None:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            path = Path(run_dir) / EVENTS_FILE
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append one event (a single ``write`` call, so lines from processes never mix)."""
+        if self._fd is None:
+            return
+        record = {"t": time.monotonic(), "wall": time.time(), "event": event, "source": self.source}
+        record.update(fields)
+        os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All events of a run, in file order (unparseable lines are skipped)."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

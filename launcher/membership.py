@@ -1,0 +1,347 @@
+"""Membership and generations: the coordinator's decisions, as a pure state machine.
+
+Inputs are events with the time they happened (a process said hello, heartbeat, a process
+exited or was reported faulty, an acknowledgement, a replication report, a clock tick); outputs
+are actions for the shell around it to carry out (send a generation to its members, kill a
+process, start a spare, end the job) and events for the log. No sockets, no clocks, no threads:
+every decision is a function of what came in, and is tested that way.
+
+A generation is the unit of membership change. On a fault the lost ranks get spares, the
+generation number goes up, and one message tells every member everything: the rank map, who
+replaces whom, the store prefix, the committed step. A member that does not acknowledge within
+``ack_timeout_s`` is itself a fault, and a fault while a generation is pending starts the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """A process the control plane knows: a rank, a spare or a node agent."""
+
+    identity: str
+    role: str
+    node: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One membership: the message every member of it receives."""
+
+    generation: int
+    world_size: int
+    ranks: dict[int, str]
+    """rank -> identity of the process holding it."""
+    nodes: dict[int, int]
+    """rank -> node of that process (failure domains for replica placement)."""
+    replaced: dict[int, list[str]]
+    """rank -> [old identity, new identity] for ranks that changed process."""
+    lost: list[int]
+    """Ranks whose process was lost in this change (their state must come from replicas)."""
+    committed_step: int
+    store_prefix: str
+
+    def to_body(self) -> dict[str, Any]:
+        """msgpack-able form (map keys become strings)."""
+        return {
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "ranks": {str(r): i for r, i in self.ranks.items()},
+            "nodes": {str(r): n for r, n in self.nodes.items()},
+            "replaced": {str(r): v for r, v in self.replaced.items()},
+            "lost": self.lost,
+            "committed_step": self.committed_step,
+            "store_prefix": self.store_prefix,
+        }
+
+
+# Actions for the shell.
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send the generation to these identities."""
+
+    to: tuple[str, ...]
+    generation: Generation
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """Have the agent of ``node`` kill a process (hung, straggler, or superseded)."""
+
+    node: int
+    identity: str
+    pid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnSpare:
+    """Have the agent of ``node`` start a new spare."""
+
+    node: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """The job is over: ``code`` 0 when every rank finished, non-zero on failure."""
+
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A decision for the JSON-lines event log."""
+
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MembershipConfig:
+    """Sizes and deadlines of a job's membership."""
+
+    world_size: int
+    ranks_per_node: int
+    heartbeat_timeout_s: float = 3.0
+    """Silence after which a process (or a whole node, for an agent) is declared lost."""
+    ack_timeout_s: float = 10.0
+    """Time members have to acknowledge a new generation before stragglers are faults."""
+    spare_wait_s: float = 60.0
+    """With no spare left, how long a lost rank may wait for one before the job fails."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.ranks_per_node < 1:
+            raise ValueError(
+                f"world_size={self.world_size} and ranks_per_node={self.ranks_per_node} "
+                "must both be >= 1"
+            )
+        for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MembershipConfig.{name} must be > 0")
+
+
+class Membership:
+    """Who is in the job, which generation it is in, and what to do on each event."""
+
+    def __init__(self, config: MembershipConfig) -> None:
+        self.config = config
+        self.generation = 0
+        self.procs: dict[str, Process] = {}
+        self.ranks: dict[int, str] = {}
+        self.spares: list[str] = []
+        self.last_seen: dict[str, float] = {}
+        self.replicated: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.pending: Generation | None = None
+        self.acks: set[str] = set()
+        self.ack_deadline = 0.0
+        self.vacant: dict[int, str] = {}
+        """Lost ranks still waiting for a spare -> the identity they had."""
+        self.vacant_since = 0.0
+        self.ended = False
+        self.gone: set[str] = set()
+        """Identities already declared lost (their later exit reports change nothing)."""
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def committed_step(self) -> int:
+        """Minimum over the current ranks of their last replicated step (-1 if none yet)."""
+        if len(self.ranks) < self.config.world_size:
+            return -1
+        return min(self.replicated.get(r, -1) for r in range(self.config.world_size))
+
+    def rank_of(self, identity: str) -> int | None:
+        """The rank a process holds, if any."""
+        for r, i in self.ranks.items():
+            if i == identity:
+                return r
+        return None
+
+    # -- events --------------------------------------------------------------------------------
+
+    def hello(self, proc: Process, rank: int | None, now: float) -> list[Any]:
+        """A process connected. Ranks say which rank they start as; spares join the pool."""
+        out: list[Any] = []
+        self.procs[proc.identity] = proc
+        self.last_seen[proc.identity] = now
+        if proc.role == "rank" and rank is not None and self.generation == 0:
+            if not 0 <= rank < self.config.world_size or rank in self.ranks:
+                out.append(Event("rejected_rank", {"identity": proc.identity, "rank": rank}))
+                return out
+            self.ranks[rank] = proc.identity
+            out.append(Event("rank_joined", {"rank": rank, "identity": proc.identity}))
+            if len(self.ranks) == self.config.world_size:
+                out += self._new_generation(lost=[], replaced={}, now=now)
+        elif proc.role == "spare":
+            self.spares.append(proc.identity)
+            out.append(Event("spare_joined", {"identity": proc.identity, "node": proc.node}))
+            if self.vacant:
+                out += self._fill_vacancies(now)
+        return out
+
+    def heartbeat(self, identity: str, now: float) -> None:
+        """A sign of life."""
+        if identity in self.procs:
+            self.last_seen[identity] = now
+
+    def report_replicated(self, identity: str, step: int) -> list[Any]:
+        """A rank finished replicating ``step``; the committed step may advance."""
+        rank = self.rank_of(identity)
+        if rank is None or step <= self.replicated.get(rank, -1):
+            return []
+        before = self.committed_step
+        self.replicated[rank] = step
+        after = self.committed_step
+        return [Event("committed", {"step": after})] if after > before else []
+
+    def exited(self, identity: str, code: int, now: float, rank: int | None = None) -> list[Any]:
+        """A process ended (seen by its agent). Code 0 from a rank means it finished.
+
+        ``rank`` is what its agent started it as: a script that does not use the engine never
+        says hello, yet its end still counts (code 0: finished; otherwise the job fails, as
+        there is no state to recover it from).
+        """
+        proc = self.procs.get(identity)
+        if proc is None:
+            if identity in self.gone or rank is None or self.ended:
+                return []
+            self.gone.add(identity)
+            if code != 0:
+                return self._end(
+                    1,
+                    f"rank {rank} ({identity}) exited with code {code} and does not use the "
+                    "engine, so it cannot be recovered in process",
+                )
+            self.finished.add(rank)
+            out = [Event("rank_finished", {"rank": rank, "identity": identity})]
+            if len(self.finished) == self.config.world_size:
+                out += self._end(0, "every rank finished")
+            return out
+        rank = self.rank_of(identity)
+        if code == 0 and rank is not None:
+            self.finished.add(rank)
+            out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
+            if len(self.finished) == self.config.world_size:
+                out += self._end(0, "every rank finished")
+            return out
+        return self.fault(identity, f"exited with code {code}", now)
+
+    def fault(self, identity: str, reason: str, now: float) -> list[Any]:
+        """A process is lost (crashed, hung, reported a collective failure, straggled)."""
+        proc = self.procs.pop(identity, None)
+        self.last_seen.pop(identity, None)
+        if proc is None or self.ended:
+            return []
+        self.gone.add(identity)
+        out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
+        if proc.role == "agent":
+            # A lost agent is a lost node: every process it started goes with it.
+            for other in [p for p in self.procs.values() if p.node == proc.node]:
+                out += self.fault(other.identity, f"node {proc.node} lost ({reason})", now)
+            return out
+        if identity in self.spares:
+            self.spares.remove(identity)
+            return [*out, SpawnSpare(proc.node)]
+        rank = self.rank_of(identity)
+        if rank is None:
+            return out
+        if rank in self.finished:
+            return out
+        del self.ranks[rank]
+        self.replicated.pop(rank, None)
+        if not self.vacant:
+            self.vacant_since = now
+        self.vacant[rank] = identity
+        return out + self._fill_vacancies(now)
+
+    def ack(self, identity: str, generation: int, now: float) -> list[Any]:
+        """A member acknowledged a generation."""
+        if self.pending is None or generation != self.pending.generation:
+            return []
+        self.acks.add(identity)
+        if set(self.pending.ranks.values()) <= self.acks:
+            g = self.pending
+            self.pending = None
+            return [Event("generation_complete", {"generation": g.generation})]
+        return []
+
+    def tick(self, now: float) -> list[Any]:
+        """Check every deadline: heartbeats, acknowledgements, waiting for spares."""
+        out: list[Any] = []
+        timeout = self.config.heartbeat_timeout_s
+        for identity, seen in sorted(self.last_seen.items()):
+            if now - seen > timeout and identity in self.procs:
+                proc = self.procs[identity]
+                if proc.role != "agent":
+                    out.append(Kill(proc.node, identity, proc.pid, "missed heartbeats"))
+                out += self.fault(identity, f"no heartbeat for {now - seen:.1f}s", now)
+        if self.pending is not None and now > self.ack_deadline:
+            late = sorted(set(self.pending.ranks.values()) - self.acks)
+            out.append(Event("stragglers", {"generation": self.pending.generation, "late": late}))
+            for identity in late:
+                proc = self.procs.get(identity)
+                if proc is not None:
+                    out.append(Kill(proc.node, identity, proc.pid, "did not acknowledge"))
+                    out += self.fault(identity, "did not acknowledge in time", now)
+        if self.vacant and not self.ended and now - self.vacant_since > self.config.spare_wait_s:
+            out += self._end(
+                1,
+                f"no spare for ranks {sorted(self.vacant)} within {self.config.spare_wait_s:.0f}s "
+                "(--spare-wait); add spares with --spares",
+            )
+        return out
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _fill_vacancies(self, now: float) -> list[Any]:
+        out: list[Any] = []
+        replaced: dict[int, list[str]] = {}
+        for rank in sorted(self.vacant):
+            if not self.spares:
+                out.append(Event("waiting_for_spare", {"rank": rank}))
+                continue
+            spare = self.spares.pop(0)
+            self.ranks[rank] = spare
+            replaced[rank] = [self.vacant[rank], spare]
+            out.append(Event("spare_assigned", {"rank": rank, "identity": spare}))
+            out.append(SpawnSpare(self.procs[spare].node))
+        for rank in replaced:
+            del self.vacant[rank]
+        if replaced and not self.vacant:
+            out += self._new_generation(lost=sorted(replaced), replaced=replaced, now=now)
+        return out
+
+    def _new_generation(
+        self, lost: list[int], replaced: dict[int, list[str]], now: float
+    ) -> list[Any]:
+        self.generation += 1
+        gen = Generation(
+            generation=self.generation,
+            world_size=self.config.world_size,
+            ranks=dict(sorted(self.ranks.items())),
+            nodes={r: self.procs[i].node for r, i in sorted(self.ranks.items())},
+            replaced=replaced,
+            lost=lost,
+            committed_step=min((self.replicated.get(r, -1) for r in self.ranks), default=-1),
+            store_prefix=f"gen{self.generation}/",
+        )
+        superseded = self.pending
+        self.pending = gen
+        self.acks = set()
+        self.ack_deadline = now + self.config.ack_timeout_s
+        fields = {"generation": gen.generation, "lost": lost, "replaced": replaced}
+        if superseded is not None:
+            fields["supersedes"] = superseded.generation
+        return [Event("generation_started", fields), Send(tuple(gen.ranks.values()), gen)]
+
+    def _end(self, code: int, reason: str) -> list[Any]:
+        if self.ended:
+            return []
+        self.ended = True
+        return [Event("job_ended", {"code": code, "reason": reason}), End(code, reason)]
