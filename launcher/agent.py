@@ -216,9 +216,7 @@ class Agent:
                 )
             first = self.codec.decode(sock.recv_multipart())
             if first.type == protocol.SHUTDOWN:
-                raise SystemExit(
-                    f"p2p-run: the coordinator refused this node: {first.body['reason']}"
-                )
+                raise AgentError(f"the coordinator refused this node: {first.body['reason']}")
             self.store_port = int(first.body["store_port"])
             for local in range(cfg.nproc_per_node):
                 self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)

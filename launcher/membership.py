@@ -151,9 +151,11 @@ class Membership:
 
     @property
     def committed_step(self) -> int:
-        """Minimum over the current ranks of their last replicated step (-1 if none yet)."""
-        if len(self.ranks) < self.config.world_size:
-            return -1
+        """Minimum over all ranks of their last replicated step (-1 if none yet).
+
+        Kept per rank, not per process: a lost rank's last report still says which step its
+        buddies hold, and that is the step its replacement restores.
+        """
         return min(self.replicated.get(r, -1) for r in range(self.config.world_size))
 
     def rank_of(self, identity: str) -> int | None:
@@ -233,7 +235,15 @@ class Membership:
         return self.fault(identity, f"exited with code {code}", now)
 
     def fault(self, identity: str, reason: str, now: float) -> list[Any]:
-        """A process is lost (crashed, hung, reported a collective failure, straggled)."""
+        """A process is lost (crashed, hung, reported a collective failure, straggled).
+
+        A lost agent is a lost node: every process it started is lost with it, and all the
+        node's ranks are replaced in one generation.
+        """
+        out = self._lose(identity, reason, now)
+        return out + self._fill_vacancies(now) if out else out
+
+    def _lose(self, identity: str, reason: str, now: float) -> list[Any]:
         proc = self.procs.pop(identity, None)
         self.last_seen.pop(identity, None)
         if proc is None or self.ended:
@@ -241,24 +251,20 @@ class Membership:
         self.gone.add(identity)
         out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
         if proc.role == "agent":
-            # A lost agent is a lost node: every process it started goes with it.
             for other in [p for p in self.procs.values() if p.node == proc.node]:
-                out += self.fault(other.identity, f"node {proc.node} lost ({reason})", now)
+                out += self._lose(other.identity, f"node {proc.node} lost ({reason})", now)
             return out
         if identity in self.spares:
             self.spares.remove(identity)
             return [*out, SpawnSpare(proc.node)]
         rank = self.rank_of(identity)
-        if rank is None:
-            return out
-        if rank in self.finished:
+        if rank is None or rank in self.finished:
             return out
         del self.ranks[rank]
-        self.replicated.pop(rank, None)
         if not self.vacant:
             self.vacant_since = now
         self.vacant[rank] = identity
-        return out + self._fill_vacancies(now)
+        return out
 
     def ack(self, identity: str, generation: int, now: float) -> list[Any]:
         """A member acknowledged a generation."""
@@ -280,7 +286,7 @@ class Membership:
                 proc = self.procs[identity]
                 if proc.role != "agent":
                     out.append(Kill(proc.node, identity, proc.pid, "missed heartbeats"))
-                out += self.fault(identity, f"no heartbeat for {now - seen:.1f}s", now)
+                out += self._lose(identity, f"no heartbeat for {now - seen:.1f}s", now)
         if self.pending is not None and now > self.ack_deadline:
             late = sorted(set(self.pending.ranks.values()) - self.acks)
             out.append(Event("stragglers", {"generation": self.pending.generation, "late": late}))
@@ -288,7 +294,9 @@ class Membership:
                 proc = self.procs.get(identity)
                 if proc is not None:
                     out.append(Kill(proc.node, identity, proc.pid, "did not acknowledge"))
-                    out += self.fault(identity, "did not acknowledge in time", now)
+                    out += self._lose(identity, "did not acknowledge in time", now)
+        if any(isinstance(a, Event) and a.name == "fault" for a in out):
+            out += self._fill_vacancies(now)  # everything lost in this tick: one generation
         if self.vacant and not self.ended and now - self.vacant_since > self.config.spare_wait_s:
             out += self._end(
                 1,
@@ -328,7 +336,7 @@ class Membership:
             nodes={r: self.procs[i].node for r, i in sorted(self.ranks.items())},
             replaced=replaced,
             lost=lost,
-            committed_step=min((self.replicated.get(r, -1) for r in self.ranks), default=-1),
+            committed_step=self.committed_step,
             store_prefix=f"gen{self.generation}/",
         )
         superseded = self.pending

@@ -1,0 +1,33 @@
+"""A rank (or spare) that speaks the control plane and does no training: for launcher tests.
+
+It acknowledges every generation and exits 0 when the job shuts down or when ``stop`` appears in
+the run directory. ``--import-torch`` makes it import torch first, as a real spare would.
+"""
+
+import os
+import sys
+
+if "--import-torch" in sys.argv:
+    import torch  # noqa: F401
+
+from launcher.client import ClientConfig, ControlClient, ControlPlaneTimeout
+
+config = ClientConfig.from_env()
+rank = int(os.environ["RANK"]) if config.role == "rank" else None
+client = ControlClient(config, rank=rank)
+try:
+    if config.role == "spare":
+        assigned = client.wait_for_assignment(timeout_s=600)
+        client.ack(assigned["generation"])
+    stop_file = os.path.join(os.environ["P2P_RUN_DIR"], "stop")
+    while not os.path.exists(stop_file):
+        try:
+            kind, body = client.next_event(timeout_s=0.1)
+        except ControlPlaneTimeout:
+            continue
+        if kind == "generation":
+            client.ack(body["generation"])
+        elif kind == "shutdown":
+            break
+finally:
+    client.close()

@@ -1,0 +1,166 @@
+"""The membership state machine, without sockets: every decision from plain events."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.membership import (
+    End,
+    Event,
+    Kill,
+    Membership,
+    MembershipConfig,
+    Process,
+    Send,
+    SpawnSpare,
+)
+
+
+def names(actions):
+    return [a.name for a in actions if isinstance(a, Event)]
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def job(spares=1, world=4, rpn=2, **kw):
+    """A job of ``world`` ranks on nodes of ``rpn`` with agents, ranks and spares joined."""
+    m = Membership(MembershipConfig(world_size=world, ranks_per_node=rpn, **kw))
+    out = []
+    for node in range(world // rpn):
+        out += m.hello(Process(f"agent/{node}", "agent", node, 100 + node), None, 0.0)
+    for r in range(world):
+        out += m.hello(Process(f"rank/{r}", "rank", r // rpn, 1000 + r), r, 0.0)
+    for s in range(spares):
+        out += m.hello(Process(f"spare/{s}", "spare", s % (world // rpn), 2000 + s), None, 0.0)
+    return m, out
+
+
+def ack_all(m, now=0.1):
+    out = []
+    for identity in m.pending.ranks.values():
+        out += m.ack(identity, m.pending.generation, now)
+    return out
+
+
+def test_first_generation_starts_when_every_rank_joined():
+    m, out = job(spares=0)
+    sends = of(out, Send)
+    assert len(sends) == 1 and sends[0].generation.generation == 1
+    assert sends[0].generation.ranks == {r: f"rank/{r}" for r in range(4)}
+    assert sends[0].generation.nodes == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert "generation_complete" in names(ack_all(m))
+
+
+def test_a_crash_hands_the_rank_to_a_spare_in_one_message():
+    m, _ = job(spares=1)
+    ack_all(m)
+    for r in range(4):
+        m.report_replicated(f"rank/{r}", 7)
+    out = m.exited("rank/1", -9, 1.0)
+    assert "spare_assigned" in names(out)
+    (send,) = of(out, Send)
+    g = send.generation
+    assert g.generation == 2 and g.ranks[1] == "spare/0" and g.lost == [1]
+    assert g.replaced == {1: ["rank/1", "spare/0"]} and g.committed_step == 7
+    assert set(send.to) == {"rank/0", "spare/0", "rank/2", "rank/3"}
+    assert of(out, SpawnSpare) == [SpawnSpare(0)], "the pool is refilled on the spare's node"
+    assert "generation_complete" in names(ack_all(m, 1.1))
+
+
+def test_committed_step_is_the_minimum_over_ranks():
+    m, _ = job(spares=0)
+    for r, step in enumerate([5, 3, 9, 4]):
+        m.report_replicated(f"rank/{r}", step)
+    assert m.committed_step == 3
+    assert m.report_replicated("rank/1", 6) == [Event("committed", {"step": 4})]
+
+
+def test_missed_heartbeats_kill_the_hung_rank_and_replace_it():
+    m, _ = job(spares=1, heartbeat_timeout_s=3.0)
+    ack_all(m)
+    for identity in list(m.procs):
+        if identity != "rank/2":
+            m.heartbeat(identity, 5.0)
+    out = m.tick(5.0)
+    assert of(out, Kill) == [Kill(1, "rank/2", 1002, "missed heartbeats")]
+    assert of(out, Send)[0].generation.ranks[2] == "spare/0"
+
+
+def test_a_lost_agent_loses_its_whole_node():
+    m, _ = job(spares=1, world=4, rpn=2)
+    ack_all(m)
+    out = m.fault("agent/1", "no heartbeat", 2.0)
+    faults = [a.fields["identity"] for a in out if isinstance(a, Event) and a.name == "fault"]
+    assert {"agent/1", "rank/2", "rank/3"} <= set(faults)
+    # One spare for two lost ranks: one is assigned, the other waits (no generation yet).
+    assert "waiting_for_spare" in names(out)
+
+
+def test_stragglers_past_the_ack_deadline_are_faults_and_start_the_next_generation():
+    m, _ = job(spares=1, ack_timeout_s=2.0, heartbeat_timeout_s=100.0)
+    for identity in ("rank/0", "rank/1", "rank/2"):
+        m.ack(identity, 1, 0.5)
+    out = m.tick(3.0)
+    assert of(out, Kill)[0].identity == "rank/3"
+    assert of(out, Send)[0].generation.generation == 2
+
+
+def test_a_fault_during_a_generation_change_supersedes_it():
+    m, _ = job(spares=2)
+    ack_all(m)
+    m.exited("rank/1", -9, 1.0)
+    out = m.exited("rank/2", -9, 1.1)  # before generation 2 was acknowledged
+    started = [a for a in out if isinstance(a, Event) and a.name == "generation_started"]
+    assert started[0].fields["generation"] == 3 and started[0].fields["supersedes"] == 2
+
+
+def test_no_spare_waits_then_fails_with_a_clear_reason():
+    m, _ = job(spares=0, spare_wait_s=10.0, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    out = m.exited("rank/3", -9, 1.0)
+    assert "waiting_for_spare" in names(out) and not of(out, Send)
+    assert m.tick(5.0) == []
+    (end,) = of(m.tick(11.5), End)
+    assert end.code == 1 and "no spare for ranks [3]" in end.reason and "--spares" in end.reason
+
+
+def test_a_spare_arriving_in_time_fills_the_vacancy():
+    m, _ = job(spares=0, spare_wait_s=10.0)
+    ack_all(m)
+    m.exited("rank/3", -9, 1.0)
+    out = m.hello(Process("spare/9", "spare", 1, 3000), None, 4.0)
+    assert of(out, Send)[0].generation.ranks[3] == "spare/9"
+
+
+def test_job_ends_when_every_rank_finished_and_late_exit_reports_change_nothing():
+    m, _ = job(spares=0)
+    out = []
+    for r in range(4):
+        out += m.exited(f"rank/{r}", 0, 2.0)
+    assert of(out, End) == [End(0, "every rank finished")]
+    assert m.exited("rank/1", -9, 3.0) == []
+
+
+def test_plain_scripts_count_by_rank_and_their_crash_fails_the_job():
+    m = Membership(MembershipConfig(world_size=2, ranks_per_node=2))
+    assert of(m.exited("rank/0/1", 0, 1.0, rank=0), End) == []
+    (end,) = of(m.exited("rank/0/2", 1, 1.0, rank=1), End)
+    assert end.code == 1 and "does not use the engine" in end.reason
+
+
+def test_a_killed_hung_rank_reported_again_by_its_agent_is_not_a_second_fault():
+    m, _ = job(spares=2)
+    ack_all(m)
+    for identity in list(m.procs):
+        if identity != "rank/0":
+            m.heartbeat(identity, 5.0)
+    m.tick(5.0)
+    assert m.exited("rank/0", -9, 5.1, rank=0) == []
+
+
+@pytest.mark.parametrize("field", ["heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s"])
+def test_bad_deadlines_are_refused(field):
+    with pytest.raises(ValueError, match=field):
+        MembershipConfig(world_size=2, ranks_per_node=1, **{field: 0})

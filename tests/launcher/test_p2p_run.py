@@ -1,0 +1,132 @@
+"""p2p-run end to end: real processes, real sockets, 2 emulated nodes x 2 ranks + 1 spare."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.launcher.conftest import WORKER, alive, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigkill_hands_the_rank_to_a_spare_and_refills_the_pool(start_job):
+    job = start_job(extra=["--import-torch"])
+    job.wait_event("generation_complete", generation=1)
+    victim = job.pid_of(1)
+    os.kill(victim, signal.SIGKILL)
+    job.wait_event("generation_complete", generation=2)
+    (fault,) = job.events("fault", identity="rank/0/2")
+    assert "code -9" in fault["reason"]
+    (assigned,) = job.events("spare_assigned", rank=1)
+    (started,) = job.events("generation_started", generation=2)
+    assert started["lost"] == [1] and started["replaced"]["1"][1] == assigned["identity"]
+    # The pool is refilled: a new spare process starts after the assignment.
+    spares = job.wait_event("process_started", role="spare")
+    wait_for(lambda: len(job.events("process_started", role="spare")) == 2, "a new spare")
+    assert len(spares) >= 1
+    detect_ms = (fault["t"] - job.events("process_exited", identity="rank/0/2")[0]["t"]) * 1e3
+    assert detect_ms < 5000  # generous hang bound; the figure is measured by the bench
+    assert job.stop() == [0, 0]
+
+
+def test_sigstop_is_declared_hung_after_the_timeout_and_killed(start_job):
+    job = start_job()
+    job.wait_event("generation_complete", generation=1)
+    victim = job.pid_of(2)
+    os.kill(victim, signal.SIGSTOP)
+    (killed,) = job.wait_event("process_killed", pid=victim)
+    assert killed["reason"] == "missed heartbeats"
+    job.wait_event("generation_complete", generation=2)
+    (fault,) = job.events("fault", identity="rank/1/1")
+    assert "no heartbeat" in fault["reason"]
+    wait_for(lambda: not alive(victim), "the hung rank to be gone")
+    assert job.stop() == [0, 0]
+
+
+def test_losing_a_nodes_agent_loses_its_ranks(start_job):
+    job = start_job(spares=(2, 0))
+    job.wait_event("generation_complete", generation=1)
+    node1_ranks = [job.pid_of(2), job.pid_of(3)]
+    job.nodes[1].send_signal(signal.SIGKILL)
+    job.wait_event("fault", identity="agent/1")
+    for identity in ("rank/1/1", "rank/1/2"):
+        (f,) = job.wait_event("fault", identity=identity)
+        assert "node 1 lost" in f["reason"]
+    wait_for(lambda: not any(alive(p) for p in node1_ranks), "node 1's ranks to die with it")
+    job.wait_event("generation_complete", generation=2)
+
+
+def test_ctrl_c_leaves_no_process_behind(start_job):
+    job = start_job(spares=(1, 1))
+    job.wait_event("generation_complete", generation=1)
+    pids = job.all_pids()
+    assert len(pids) >= 2 + 4 + 2
+    for node in job.nodes:
+        node.send_signal(signal.SIGINT)
+    codes = [n.wait(timeout=30) for n in job.nodes]
+    assert all(c != 0 for c in codes)
+    wait_for(lambda: not any(alive(p) for p in pids), "every process of the job to exit", 15)
+
+
+def _run_cli(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus", WORKER], "unrecognized arguments"),
+        (["does-not-exist.py"], "script does-not-exist.py does not exist"),
+        (["--nnodes", "2", "--node-rank", "2", WORKER], "--node-rank 2 is outside 0..1"),
+        (["--node-rank", "1", "--nnodes", "2", WORKER], "need --coordinator"),
+        (["--coordinator", "nohost", WORKER], "is not host:port"),
+    ],
+)
+def test_bad_cli_input_is_one_clear_line(tmp_path, args, message):
+    r = _run_cli("--run-dir", str(tmp_path), *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_port_in_use_is_one_clear_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _run_cli("--run-dir", str(tmp_path), "--coordinator", f"127.0.0.1:{port}", WORKER)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "in use" in r.stderr
+
+
+def test_nnodes_mismatch_is_refused_with_one_line(start_job):
+    job = start_job(spares=(0, 0), nnodes=2)
+    job.wait_event("hello", identity="agent/1")
+    r = _run_cli(
+        "--run-dir",
+        str(job.run_dir),
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "2",
+        "--node-rank",
+        "2",
+        "--coordinator",
+        f"127.0.0.1:{job.port}",
+        WORKER,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "world of 6 ranks but the job has 4" in lines[0], r.stderr
