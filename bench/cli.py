@@ -17,6 +17,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.replicate_bench",
         "replication bandwidth, step overhead and snapshot speed on the example model",
     ),
+    "control-plane": (
+        "bench.control_plane_bench",
+        "coordinator CPU, fault detection and generation changes at 256-2,048 emulated ranks",
+    ),
 }
 
 

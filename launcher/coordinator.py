@@ -30,6 +30,7 @@ from launcher.events import EventLog
 from launcher.membership import (
     End,
     Event,
+    Generation,
     Kill,
     Membership,
     MembershipConfig,
@@ -212,9 +213,7 @@ class Coordinator:
             if isinstance(action, Event):
                 self.events.write(action.name, **action.fields)
             elif isinstance(action, Send):
-                body = action.generation.to_body()
-                for identity in action.to:
-                    self._send(identity, protocol.GENERATION, body, action.generation.generation)
+                self._broadcast(action.generation, action.to)
             elif isinstance(action, Kill):
                 self.events.write(
                     "kill_requested",
@@ -236,6 +235,29 @@ class Coordinator:
                         identity, protocol.SHUTDOWN, {"code": action.code, "reason": action.reason}
                     )
                 self.exit_code = action.code
+
+    def _broadcast(self, gen: Generation, to: tuple[str, ...]) -> None:
+        """One generation to all its members, each payload encoded and signed once.
+
+        Every receiver sees the coordinator's sequence numbers increase, so sharing one
+        encoding between receivers keeps the replay guard intact.
+        """
+        newcomers = {new for _, new in gen.replaced.values()}
+        first = gen.generation == 1
+        frames_full = self.codec.encode(protocol.GENERATION, gen.to_body(full=True), gen.generation)
+        frames_delta = (
+            frames_full
+            if first
+            else self.codec.encode(protocol.GENERATION, gen.to_body(full=False), gen.generation)
+        )
+        for identity in to:
+            frames = frames_full if first or identity in newcomers else frames_delta
+            try:
+                self.sock.send_multipart([identity.encode(), *frames], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning(
+                    "could not send generation %d to %s: %s", gen.generation, identity, e
+                )
 
     def _send(self, identity: str, type_: str, body: dict, generation: int = 0) -> None:
         frames = self.codec.encode(type_, body, generation or self.membership.generation)

@@ -45,13 +45,20 @@ class Generation:
     committed_step: int
     store_prefix: str
 
-    def to_body(self) -> dict[str, Any]:
-        """msgpack-able form (map keys become strings)."""
+    def to_body(self, full: bool = True) -> dict[str, Any]:
+        """msgpack-able form (map keys become strings).
+
+        ``full=False`` is for members that already hold the previous generation's map: the rank
+        and node maps then list only the ranks that changed (a few bytes instead of tens of KB
+        at 2,048 ranks). Newcomers (spares taking a rank) get the full maps.
+        """
+        changed = set(self.replaced) if not full else set(self.ranks)
         return {
             "generation": self.generation,
             "world_size": self.world_size,
-            "ranks": {str(r): i for r, i in self.ranks.items()},
-            "nodes": {str(r): n for r, n in self.nodes.items()},
+            "full": full,
+            "ranks": {str(r): i for r, i in self.ranks.items() if r in changed},
+            "nodes": {str(r): n for r, n in self.nodes.items() if r in changed},
             "replaced": {str(r): v for r, v in self.replaced.items()},
             "lost": self.lost,
             "committed_step": self.committed_step,
@@ -139,6 +146,8 @@ class Membership:
         self.finished: set[int] = set()
         self.pending: Generation | None = None
         self.acks: set[str] = set()
+        self.awaiting: set[str] = set()
+        """Members of the pending generation that have not acknowledged it yet."""
         self.ack_deadline = 0.0
         self.vacant: dict[int, str] = {}
         """Lost ranks still waiting for a spare -> the identity they had."""
@@ -271,7 +280,8 @@ class Membership:
         if self.pending is None or generation != self.pending.generation:
             return []
         self.acks.add(identity)
-        if set(self.pending.ranks.values()) <= self.acks:
+        self.awaiting.discard(identity)
+        if not self.awaiting:  # O(1) per ack: 2,048 acks must not cost 2,048^2 set operations
             g = self.pending
             self.pending = None
             return [Event("generation_complete", {"generation": g.generation})]
@@ -288,7 +298,7 @@ class Membership:
                     out.append(Kill(proc.node, identity, proc.pid, "missed heartbeats"))
                 out += self._lose(identity, f"no heartbeat for {now - seen:.1f}s", now)
         if self.pending is not None and now > self.ack_deadline:
-            late = sorted(set(self.pending.ranks.values()) - self.acks)
+            late = sorted(self.awaiting)
             out.append(Event("stragglers", {"generation": self.pending.generation, "late": late}))
             for identity in late:
                 proc = self.procs.get(identity)
@@ -342,6 +352,7 @@ class Membership:
         superseded = self.pending
         self.pending = gen
         self.acks = set()
+        self.awaiting = set(gen.ranks.values())
         self.ack_deadline = now + self.config.ack_timeout_s
         fields = {"generation": gen.generation, "lost": lost, "replaced": replaced}
         if superseded is not None:

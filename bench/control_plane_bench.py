@@ -1,0 +1,362 @@
+"""``p2p-bench control-plane``: a real coordinator against thousands of emulated ranks.
+
+The coordinator is the real one (its own process, real ROUTER socket, HMAC on every message).
+Ranks, spares and node agents are emulated: each is a real DEALER socket with its own identity,
+codec and heartbeat schedule, many of them multiplexed over a few worker processes so 2,048 fit
+on a 2-core machine. Measured, per size, in one run:
+
+- coordinator CPU share at the configured heartbeat interval (steady state, after the first
+  generation);
+- ``detect_ms``: a real child process is SIGKILLed; its emulated agent sees the exit through a
+  pidfd and reports it; the time runs from the kill to the coordinator's fault decision (both
+  clocks are CLOCK_MONOTONIC on one machine);
+- ``generation_ms``: from that decision until every rank acknowledged the new generation;
+- ``hang_detect_s``: a rank stops heartbeating; from its last heartbeat to the decision, next to
+  the configured timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RANKS_PER_NODE = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``p2p-bench control-plane``."""
+    p.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[256, 1024, 2048],
+        help="job sizes to measure (default 256 1024 2048)",
+    )
+    p.add_argument("--workers", type=int, default=4, help="processes hosting emulated ranks")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds (default 3)")
+    p.add_argument("--exits", type=int, default=10, help="process-exit trials per size")
+    p.add_argument("--hangs", type=int, default=2, help="missed-heartbeat trials per size")
+    p.add_argument("--cpu-window", type=float, default=5.0, help="seconds of steady state")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def _emulate(conn: Any, spec: dict[str, Any]) -> None:
+    """A worker process: many emulated members, one poll loop."""
+    import zmq
+
+    from launcher import protocol
+
+    secret = protocol.read_secret(spec["secret_file"])
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 16384)
+    members: dict[zmq.Socket, dict[str, Any]] = {}
+    by_id: dict[str, zmq.Socket] = {}
+    poller = zmq.Poller()
+    interval = spec["interval"]
+
+    def add(identity: str, role: str, node: int, rank: int | None, phase: float) -> None:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, identity.encode())
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(spec["address"])
+        m = {
+            "id": identity,
+            "role": role,
+            "node": node,
+            "codec": protocol.Codec(secret, spec["job_id"], identity),
+            "next": time.monotonic() + phase * interval,
+            "silent": False,
+            "last": 0.0,
+        }
+        body = {"role": role, "node": node, "pid": os.getpid()}
+        if rank is not None:
+            body["rank"] = rank
+        s.send_multipart(m["codec"].encode(protocol.HELLO, body))
+        members[s] = m
+        by_id[identity] = s
+        poller.register(s, zmq.POLLIN)
+
+    todo = spec["members"]
+    for i, (identity, role, node, rank) in enumerate(todo):
+        add(identity, role, node, rank, i / max(1, len(todo)))
+    poller.register(conn.fileno(), zmq.POLLIN)
+    spares_made = 0
+    beats = 0
+    while True:
+        now = time.monotonic()
+        due = min((m["next"] for m in members.values() if not m["silent"]), default=now + 1)
+        for item, _ in poller.poll(max(0.0, due - now) * 1000):
+            if item == conn.fileno():
+                cmd = conn.recv()
+                if cmd[0] == "stop":
+                    for s in members:
+                        s.close(linger=0)
+                    ctx.term()
+                    return
+                if cmd[0] == "count":
+                    conn.send(beats)
+                if cmd[0] == "hang":
+                    m = members[by_id[cmd[1]]]
+                    m["silent"] = True
+                    conn.send(m["last"])
+                if cmd[0] == "exit":
+                    victim, agent = cmd[1], cmd[2]
+                    child = subprocess.Popen(["sleep", "600"])
+                    pidfd = os.pidfd_open(child.pid)
+                    s = by_id.pop(victim)
+                    members[s]["silent"] = True
+                    t0 = time.monotonic()
+                    child.kill()
+                    waiter = select.poll()  # select() cannot take fds above 1024
+                    waiter.register(pidfd, select.POLLIN)
+                    waiter.poll(10_000)
+                    code = child.wait()
+                    os.close(pidfd)
+                    a = by_id[agent]
+                    a.send_multipart(
+                        members[a]["codec"].encode(
+                            protocol.EXITED,
+                            {"identity": victim, "pid": child.pid, "code": code, "role": "rank"},
+                        )
+                    )
+                    poller.unregister(s)
+                    del members[s]
+                    s.close(linger=0)
+                    conn.send(t0)
+                continue
+            m = members[item]
+            while True:
+                try:
+                    frames = item.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = m["codec"].decode(frames)
+                if msg.type == protocol.GENERATION:
+                    item.send_multipart(
+                        m["codec"].encode(
+                            protocol.ACK, {"generation": msg.body["generation"]}, msg.generation
+                        )
+                    )
+                elif msg.type == protocol.SPAWN_SPARE:
+                    spares_made += 1
+                    add(f"spare/{m['node']}/x{spares_made}", "spare", m["node"], None, 0)
+        now = time.monotonic()
+        for s, m in members.items():
+            if not m["silent"] and m["next"] <= now:
+                s.send_multipart(m["codec"].encode(protocol.HEARTBEAT))
+                beats += 1
+                m["last"] = now
+                m["next"] = now + interval
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing
+
+    from launcher import protocol
+    from launcher.events import read_events
+
+    nodes = n // RANKS_PER_NODE
+    with tempfile.TemporaryDirectory(prefix="p2p-cp-bench-") as tmp:
+        secret = os.path.join(tmp, "secret")
+        protocol.write_secret(secret)
+        coord = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launcher.coordinator",
+                "--no-store",
+                "--secret-file",
+                secret,
+                "--run-dir",
+                tmp,
+                "--world-size",
+                str(n),
+                "--ranks-per-node",
+                str(RANKS_PER_NODE),
+                "--heartbeat-timeout",
+                str(args.heartbeat_timeout),
+                "--spare-wait",
+                "600",
+                "--ack-timeout",
+                "60",
+            ]
+        )
+        procs, conns = [], []
+        try:
+            info_path = Path(tmp) / "coordinator.json"
+            deadline = time.monotonic() + 60
+            while not info_path.exists():
+                if time.monotonic() > deadline or coord.poll() is not None:
+                    raise RuntimeError("the coordinator did not start")
+                time.sleep(0.05)
+            port = json.loads(info_path.read_text())["port"]
+            ctx = multiprocessing.get_context("spawn")
+            spares = args.exits + 1
+            for w in range(args.workers):
+                members = []
+                for node in range(w, nodes, args.workers):
+                    members.append((f"agent/{node}", "agent", node, None))
+                    for local in range(RANKS_PER_NODE):
+                        r = node * RANKS_PER_NODE + local
+                        members.append((f"rank/{r}", "rank", node, r))
+                for s in range(w, spares, args.workers):
+                    members.append((f"spare/{s % nodes}/{s}", "spare", s % nodes, None))
+                parent, child = ctx.Pipe()
+                p = ctx.Process(
+                    target=_emulate,
+                    args=(
+                        child,
+                        {
+                            "members": members,
+                            "address": f"tcp://127.0.0.1:{port}",
+                            "secret_file": secret,
+                            "job_id": "p2p-job",
+                            "interval": args.heartbeat_interval,
+                        },
+                    ),
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+                conns.append(parent)
+
+            def events(name: str, **match: Any) -> list[dict]:
+                return [
+                    e
+                    for e in read_events(tmp)
+                    if e["event"] == name and all(e.get(k) == v for k, v in match.items())
+                ]
+
+            def wait(name: str, timeout: float = 120, **match: Any) -> dict:
+                end = time.monotonic() + timeout
+                while time.monotonic() < end:
+                    found = events(name, **match)
+                    if found:
+                        return found[0]
+                    time.sleep(0.02)
+                raise RuntimeError(f"no {name} {match} within {timeout:.0f}s")
+
+            wait("generation_complete", generation=1)
+
+            def beats() -> int:
+                for c in conns:
+                    c.send(("count",))
+                return sum(c.recv() for c in conns)
+
+            b0, c0, t0 = beats(), _cpu_s(coord.pid), time.monotonic()
+            time.sleep(args.cpu_window)  # the measurement window itself
+            window = time.monotonic() - t0
+            cpu_share = (_cpu_s(coord.pid) - c0) / window
+            beat_rate = (beats() - b0) / window
+
+            detect, generation, hang = [], [], []
+            gen = 1
+            for trial in range(args.exits):
+                node = (trial * 7 + 1) % nodes
+                rank = node * RANKS_PER_NODE + trial % RANKS_PER_NODE
+                conns[node % args.workers].send(("exit", f"rank/{rank}", f"agent/{node}"))
+                killed_at = conns[node % args.workers].recv()
+                gen += 1
+                done = wait("generation_complete", generation=gen)
+                fault = events("fault", identity=f"rank/{rank}")[0]
+                started = events("generation_started", generation=gen)[0]
+                detect.append((fault["t"] - killed_at) * 1e3)
+                generation.append((done["t"] - started["t"]) * 1e3)
+            for trial in range(args.hangs):
+                node = (trial * 5 + 3) % nodes
+                rank = node * RANKS_PER_NODE + (trial + 4) % RANKS_PER_NODE
+                conns[node % args.workers].send(("hang", f"rank/{rank}"))
+                last_beat = conns[node % args.workers].recv()
+                fault = wait("fault", timeout=args.heartbeat_timeout * 10, identity=f"rank/{rank}")
+                hang.append(fault["t"] - last_beat)
+            return {
+                "ranks": n,
+                "coordinator_cpu_share": cpu_share,
+                "heartbeats_per_s": beat_rate,
+                "heartbeats_per_s_configured": (n + nodes) / args.heartbeat_interval,
+                "detect_ms_p50": _pct(detect, 50),
+                "detect_ms_p99": _pct(detect, 99),
+                "generation_ms_p50": _pct(generation, 50),
+                "generation_ms_p99": _pct(generation, 99),
+                "hang_detect_s_p50": _pct(hang, 50),
+                "hang_detect_s_max": max(hang) if hang else float("nan"),
+                "heartbeat_timeout_s": args.heartbeat_timeout,
+                "exit_trials": len(detect),
+            }
+        finally:
+            for c in conns:
+                try:
+                    c.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            coord.kill()
+            coord.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``p2p-bench control-plane``."""
+    for n in args.ranks:
+        if n < RANKS_PER_NODE * 2 or n % RANKS_PER_NODE:
+            print(
+                f"p2p-bench control-plane: --ranks {n}: use a multiple of {RANKS_PER_NODE} "
+                f"of at least {2 * RANKS_PER_NODE}",
+                file=sys.stderr,
+            )
+            return 2
+    sizes = [_measure_size(n, args) for n in args.ranks]
+    report = {
+        "benchmark": "control-plane",
+        "heartbeat_interval_s": args.heartbeat_interval,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+        "sizes": sizes,
+        "command": "p2p-bench control-plane " + " ".join(sys.argv[2:]),
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"heartbeat every {args.heartbeat_interval}s, timeout {args.heartbeat_timeout}s")
+    header = (
+        "ranks",
+        "coord CPU",
+        "beats/s (configured)",
+        "exit detect ms p50/p99",
+        "generation ms p50/p99",
+        "hang detect s",
+    )
+    print("  ".join(f"{h:>22}" for h in header))
+    for s in sizes:
+        cells = (
+            f"{s['ranks']}",
+            f"{s['coordinator_cpu_share'] * 100:.1f} %",
+            f"{s['heartbeats_per_s']:.0f} ({s['heartbeats_per_s_configured']:.0f})",
+            f"{s['detect_ms_p50']:.1f} / {s['detect_ms_p99']:.1f}",
+            f"{s['generation_ms_p50']:.1f} / {s['generation_ms_p99']:.1f}",
+            f"{s['hang_detect_s_p50']:.2f}",
+        )
+        print("  ".join(f"{c:>22}" for c in cells))
+    return 0
