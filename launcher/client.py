@@ -10,6 +10,8 @@ A new generation arrives as one message with everything recovery needs (see
 :class:`launcher.membership.Generation`): ``generation``, ``world_size``, ``ranks`` (rank ->
 identity), ``nodes`` (rank -> node), ``replaced`` (rank -> [old, new] identity), ``lost``,
 ``committed_step`` and ``store_prefix``; :meth:`ControlClient.store_address` gives the store.
+With ``full`` false (members that already know the previous generation) ``ranks`` and ``nodes``
+list only the ranks that changed; processes new to the job get the full maps.
 
 This module imports nothing from ``launcher`` but :mod:`launcher.protocol`.
 """

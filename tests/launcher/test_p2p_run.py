@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,11 @@ def test_nnodes_mismatch_is_refused_with_one_line(start_job):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "world of 6 ranks but the job has 4" in lines[0], r.stderr
+
+
+def test_a_plain_torch_script_runs_as_under_torchrun(tmp_path):
+    script = str(Path(WORKER).parent / "plain_torch.py")
+    r = _run_cli("--run-dir", str(tmp_path), "--nproc-per-node", "2", script, timeout=120)
+    assert r.returncode == 0, r.stderr
+    outs = sorted((tmp_path / f"out{i}").read_text() for i in range(2))
+    assert outs == ["0 2 0 3.0", "1 2 1 3.0"]
