@@ -1,0 +1,128 @@
+"""The resumable loader: this rank's batch of every step, from the cache, in the sampler's order.
+
+What the recovery engine calls (``protect(..., loader=...)``):
+
+- ``loader.state_dict()`` -> ``{"seed", "epoch", "offset"}``: a few integers, carried in the
+  replicated state with every snapshot;
+- ``loader.load_state_dict(d)``: put the stream back where a snapshot was taken (O(1));
+- ``loader.set_world(world_size, rank)``: after a resize; the global batch stays the same.
+
+Iterating yields ``torch.Tensor`` batches of shape ``(local_batch, *sample_shape)`` and advances
+the state; the next batch is prefetched on a background thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataload.cache import SampleCache
+from dataload.sampler import SamplerState, advance, plan_batch, rank_ids, state_at_step
+
+
+class CacheDataset(torch.utils.data.Dataset):
+    """A ``torch`` dataset over the memory-mapped cache (sample ``i`` as a tensor)."""
+
+    def __init__(self, cache: SampleCache) -> None:
+        self.cache = cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.cache[i]))
+
+
+class ResumableLoader:
+    """Per-step batches for one rank; the whole position is :meth:`state_dict`.
+
+    Args:
+        cache: The node's sample cache.
+        global_batch: Samples per optimizer step over all ranks (constant across resizes).
+        world_size, rank: This rank's place.
+        seed: Seed of the epoch permutations.
+        drop_last: Skip an epoch's last, short step.
+    """
+
+    def __init__(
+        self,
+        cache: SampleCache,
+        *,
+        global_batch: int,
+        world_size: int,
+        rank: int,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        plan_batch(global_batch, world_size, global_batch)  # validates the sizes
+        self.cache = cache
+        self.global_batch = global_batch
+        self.world_size, self.rank = world_size, rank
+        self.drop_last = drop_last
+        self.state = SamplerState(seed)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2p-prefetch")
+        self._next: tuple[tuple, concurrent.futures.Future] | None = None
+
+    # -- the interface recovery uses -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"seed", "epoch", "offset"}``."""
+        return self.state.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position from :meth:`state_dict`."""
+        self.state = SamplerState.from_dict(state)
+
+    def set_world(self, world_size: int, rank: int) -> None:
+        """A new world size after a resize: the same global batch, split anew."""
+        plan_batch(self.global_batch, world_size, self.global_batch)
+        self.world_size, self.rank = world_size, rank
+
+    def seek(self, step: int) -> None:
+        """Position before global step ``step`` (0-based) of the run, in O(1)."""
+        self.state = state_at_step(
+            self.state.seed, step, len(self.cache), self.global_batch, self.drop_last
+        )
+
+    # -- iteration -----------------------------------------------------------------------------
+
+    def ids(self) -> np.ndarray:
+        """The sample ids of this rank's next batch (without advancing)."""
+        return rank_ids(
+            self.state,
+            len(self.cache),
+            self.global_batch,
+            self.world_size,
+            self.rank,
+            self.drop_last,
+        )
+
+    def _read(self, ids: np.ndarray) -> torch.Tensor:
+        order = np.argsort(ids)  # read the map in file order, then put the batch back in order
+        out = np.empty((len(ids), *self.cache.header.shape), dtype=self.cache.header.dtype)
+        out[order] = self.cache.samples[ids[order]]
+        return torch.from_numpy(out)
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's batch of the next step; advances the state."""
+        key = (self.state, self.world_size, self.rank)
+        if self._next is not None and self._next[0] == key:
+            batch = self._next[1].result()
+        else:
+            batch = self._read(self.ids())
+        self.state = advance(self.state, len(self.cache), self.global_batch, self.drop_last)
+        ahead = (self.state, self.world_size, self.rank)
+        self._next = (ahead, self._pool.submit(self._read, self.ids()))
+        return batch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield self.next_batch()
+
+    def close(self) -> None:
+        """Stop the prefetch thread."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
