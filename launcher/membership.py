@@ -258,6 +258,7 @@ class Membership:
         if proc is None or self.ended:
             return []
         self.gone.add(identity)
+        self.awaiting.discard(identity)  # a lost member is no longer awaited
         out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
         if proc.role == "agent":
             for other in [p for p in self.procs.values() if p.node == proc.node]:
@@ -297,7 +298,7 @@ class Membership:
                 if proc.role != "agent":
                     out.append(Kill(proc.node, identity, proc.pid, "missed heartbeats"))
                 out += self._lose(identity, f"no heartbeat for {now - seen:.1f}s", now)
-        if self.pending is not None and now > self.ack_deadline:
+        if self.pending is not None and self.awaiting and now > self.ack_deadline:
             late = sorted(self.awaiting)
             out.append(Event("stragglers", {"generation": self.pending.generation, "late": late}))
             for identity in late:

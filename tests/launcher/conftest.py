@@ -54,7 +54,7 @@ class Job:
             "--heartbeat-interval",
             "0.1",
             "--heartbeat-timeout",
-            "1.5",
+            "3",
             "--ack-timeout",
             "10",
         ]

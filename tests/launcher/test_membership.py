@@ -164,3 +164,12 @@ def test_a_killed_hung_rank_reported_again_by_its_agent_is_not_a_second_fault():
 def test_bad_deadlines_are_refused(field):
     with pytest.raises(ValueError, match=field):
         MembershipConfig(world_size=2, ranks_per_node=1, **{field: 0})
+
+
+def test_a_killed_straggler_is_reported_once_not_on_every_tick():
+    m, _ = job(spares=0, ack_timeout_s=2.0, heartbeat_timeout_s=100.0, spare_wait_s=100.0)
+    for identity in ("rank/0", "rank/1", "rank/2"):
+        m.ack(identity, 1, 0.5)
+    first = m.tick(3.0)
+    assert names(first).count("stragglers") == 1
+    assert "stragglers" not in names(m.tick(3.1)) + names(m.tick(3.2))
