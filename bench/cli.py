@@ -21,6 +21,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.control_plane_bench",
         "coordinator CPU, fault detection and generation changes at 256-2,048 emulated ranks",
     ),
+    "data": (
+        "bench.data_bench",
+        "time to a replacement rank's first batch from the node cache vs. from the source",
+    ),
 }
 
 
