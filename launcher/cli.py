@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--job-id", "--rdzv-id", default="p2p-job", help="job name (default p2p-job)")
     p.add_argument(
+        "--replicas", type=int, default=1, help="replication factor k of the data plane (default 1)"
+    )
+    p.add_argument(
         "--secret-file",
         default=None,
         help="per-job secret (mode 0600); node 0 creates <run-dir>/secret if absent",
@@ -99,6 +102,9 @@ def _validate(args: argparse.Namespace) -> None:
         )
     if args.spares < 0:
         raise UsageError("--spares must be >= 0")
+    world = args.nnodes * args.nproc_per_node
+    if world > 1 and not 1 <= args.replicas < world:
+        raise UsageError(f"--replicas {args.replicas} must be between 1 and {world - 1}")
     if args.heartbeat_interval <= 0 or args.heartbeat_timeout <= args.heartbeat_interval:
         raise UsageError("--heartbeat-timeout must be larger than --heartbeat-interval > 0")
     if not args.module and not Path(args.script).is_file():
@@ -164,6 +170,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         str(args.ack_timeout),
         "--spare-wait",
         str(args.spare_wait),
+        "--replicas",
+        str(args.replicas),
     ]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + _COORDINATOR_START_S

@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
     p.add_argument("--ack-timeout", type=float, default=10.0)
     p.add_argument("--spare-wait", type=float, default=60.0)
+    p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--no-store", action="store_true", help="do not host a TCPStore (no torch)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 ack_timeout_s=args.ack_timeout,
                 spare_wait_s=args.spare_wait,
+                replicas=args.replicas,
             ),
         )
     )

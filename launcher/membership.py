@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2p_state.placement import place
+
 
 @dataclass(frozen=True, slots=True)
 class Process:
@@ -44,6 +46,8 @@ class Generation:
     """Ranks whose process was lost in this change (their state must come from replicas)."""
     committed_step: int
     store_prefix: str
+    holders: dict[int, list[int]]
+    """The replica map: rank -> ranks holding a copy of its shard (``p2p_state.place``)."""
 
     def to_body(self, full: bool = True) -> dict[str, Any]:
         """msgpack-able form (map keys become strings).
@@ -63,6 +67,7 @@ class Generation:
             "lost": self.lost,
             "committed_step": self.committed_step,
             "store_prefix": self.store_prefix,
+            "holders": {str(r): h for r, h in self.holders.items() if r in changed},
         }
 
 
@@ -120,12 +125,19 @@ class MembershipConfig:
     """Time members have to acknowledge a new generation before stragglers are faults."""
     spare_wait_s: float = 60.0
     """With no spare left, how long a lost rank may wait for one before the job fails."""
+    replicas: int = 1
+    """Replication factor k of the data plane (for the replica map in every generation)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
             raise ValueError(
                 f"world_size={self.world_size} and ranks_per_node={self.ranks_per_node} "
                 "must both be >= 1"
+            )
+        if not 1 <= self.replicas < max(2, self.world_size):
+            raise ValueError(
+                f"MembershipConfig.replicas={self.replicas} must be >= 1 and below the world "
+                f"size {self.world_size}"
             )
         for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s"):
             if getattr(self, name) <= 0:
@@ -137,6 +149,11 @@ class Membership:
 
     def __init__(self, config: MembershipConfig) -> None:
         self.config = config
+        if config.world_size > 1:
+            placement = place(config.world_size, config.ranks_per_node, config.replicas)
+            self._replica_map = {r: list(h) for r, h in enumerate(placement.holders)}
+        else:
+            self._replica_map = {0: []}
         self.generation = 0
         self.procs: dict[str, Process] = {}
         self.ranks: dict[int, str] = {}
@@ -349,6 +366,7 @@ class Membership:
             lost=lost,
             committed_step=self.committed_step,
             store_prefix=f"gen{self.generation}/",
+            holders=self._replica_map,
         )
         superseded = self.pending
         self.pending = gen

@@ -64,6 +64,8 @@ def test_a_crash_hands_the_rank_to_a_spare_in_one_message():
     g = send.generation
     assert g.generation == 2 and g.ranks[1] == "spare/0" and g.lost == [1]
     assert g.replaced == {1: ["rank/1", "spare/0"]} and g.committed_step == 7
+    assert g.holders == {0: [2], 1: [3], 2: [1], 3: [0]}, "the replica map: ring across nodes"
+    assert g.to_body(full=False)["holders"] == {"1": [3]}
     assert set(send.to) == {"rank/0", "spare/0", "rank/2", "rank/3"}
     assert of(out, SpawnSpare) == [SpawnSpare(0)], "the pool is refilled on the spare's node"
     assert "generation_complete" in names(ack_all(m, 1.1))
