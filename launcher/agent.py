@@ -263,18 +263,7 @@ class Agent:
                 next_beat = time.monotonic() + self.config.heartbeat_interval_s
 
     def _receive(self, sock: zmq.Socket) -> int | None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            try:
-                msg = self.codec.decode(frames)
-            except protocol.Rejected as e:
-                logger.warning("dropped a control message: %s", e.reason)
-                continue
-            if msg.sender != "coordinator":
-                continue
+        for msg in self.codec.drain(sock):
             if msg.type == protocol.KILL:
                 self._kill(str(msg.body["identity"]), int(msg.body["pid"]), str(msg.body["reason"]))
             elif msg.type == protocol.SPAWN_SPARE:

@@ -234,19 +234,7 @@ class ControlClient:
             ctx.term()
 
     def _receive(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = self._codec.decode(frames)
-            except protocol.Rejected as e:
-                logger.warning("dropped a control message: %s", e.reason)
-                continue
-            if msg.sender != "coordinator":
-                logger.warning("dropped a message from %s (not the coordinator)", msg.sender)
-                continue
+        for msg in self._codec.drain(sock):
             if msg.type == protocol.WELCOME:
                 self.store_port = int(msg.body.get("store_port", 0))
                 self._welcome.set()

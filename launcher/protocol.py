@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -208,6 +211,29 @@ class Codec:
             raise Rejected(f"replayed or reordered message from {sender} (seq {seq})")
         self._last_seen[sender] = seq
         return Message(type_, sender, gen, seq, body)
+
+    def drain(self, sock: Any, expect_sender: str = "coordinator") -> list[Message]:
+        """Every message waiting on ``sock`` that authenticates and comes from ``expect_sender``.
+
+        Never blocks; anything rejected or from someone else is dropped and logged.
+        """
+        import zmq
+
+        out = []
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                msg = self.decode(frames)
+            except Rejected as e:
+                logger.warning("dropped a control message: %s", e.reason)
+                continue
+            if msg.sender != expect_sender:
+                logger.warning("dropped a message from %s (expected %s)", msg.sender, expect_sender)
+                continue
+            out.append(msg)
 
     def forget(self, sender: str) -> None:
         """Drop the replay state of a sender whose process is gone (a new one starts at 1)."""
