@@ -55,6 +55,9 @@ class AgentConfig:
     run_dir: str
     heartbeat_interval_s: float = 0.5
     welcome_timeout_s: float = 60.0
+    coordinator_timeout_s: float = 30.0
+    """Silence from the coordinator after which the node gives up: children are stopped and
+    p2p-run exits with an error (the coordinator heartbeats every agent twice a second)."""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -239,6 +242,7 @@ class Agent:
 
     def _serve(self, sock: zmq.Socket, wake_r: int) -> int:
         next_beat = 0.0
+        self._heard = time.monotonic()
         while True:
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
@@ -258,12 +262,20 @@ class Agent:
             if self._signal is not None:
                 self.events.write("agent_interrupted", signal=self._signal)
                 return 128 + self._signal
+            silent = time.monotonic() - self._heard
+            if silent > self.config.coordinator_timeout_s:
+                self.events.write("coordinator_lost", silent_s=silent)
+                raise AgentError(
+                    f"no word from the coordinator at {self.config.coordinator} for "
+                    f"{silent:.0f}s; stopping this node's processes"
+                )
             if time.monotonic() >= next_beat:
                 self._send(sock, protocol.HEARTBEAT, {})
                 next_beat = time.monotonic() + self.config.heartbeat_interval_s
 
     def _receive(self, sock: zmq.Socket) -> int | None:
         for msg in self.codec.drain(sock):
+            self._heard = time.monotonic()
             if msg.type == protocol.KILL:
                 self._kill(str(msg.body["identity"]), int(msg.body["pid"]), str(msg.body["reason"]))
             elif msg.type == protocol.SPAWN_SPARE:

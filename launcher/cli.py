@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a lost rank may wait for a spare, seconds (default 60)",
     )
     p.add_argument(
+        "--coordinator-timeout",
+        type=float,
+        default=30.0,
+        help="silence from the coordinator after which a node stops its processes and exits "
+        "with an error, seconds (default 30)",
+    )
+    p.add_argument(
         "--run-dir",
         default=None,
         help="directory for the event log, secret and coordinator address (default runs/<job-id>)",
@@ -107,6 +114,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--replicas {args.replicas} must be between 1 and {world - 1}")
     if args.heartbeat_interval <= 0 or args.heartbeat_timeout <= args.heartbeat_interval:
         raise UsageError("--heartbeat-timeout must be larger than --heartbeat-interval > 0")
+    if args.coordinator_timeout <= 1.0:
+        raise UsageError(
+            "--coordinator-timeout must be more than 1 s (the coordinator beats at 2 Hz)"
+        )
     if not args.module and not Path(args.script).is_file():
         raise UsageError(f"script {args.script} does not exist")
     if args.node_rank > 0 and not args.coordinator:
@@ -218,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 secret_file=secret,
                 run_dir=str(run_dir),
                 heartbeat_interval_s=args.heartbeat_interval,
+                coordinator_timeout_s=args.coordinator_timeout,
             )
         )
         if coordinator is not None:

@@ -42,6 +42,9 @@ from launcher.membership import (
 logger = logging.getLogger(__name__)
 
 COORDINATOR_FILE = "coordinator.json"
+#: How often the coordinator tells each agent it is alive.
+AGENT_HEARTBEAT_S = 0.5
+_DRAIN_BATCH = 1000
 COORDINATOR_IDENTITY = "coordinator"
 
 
@@ -124,18 +127,29 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
+        next_agent_beat = 0.0
         while self.exit_code is None:
             if deadline is not None and time.monotonic() > deadline:
                 break
             if poller.poll(self.config.tick_s * 1000):
-                # Drain everything queued before checking deadlines again.
-                while self.exit_code is None:
+                # Drain what is queued, but at most a bounded batch: deadlines are checked
+                # between batches even under a flood of messages.
+                for _ in range(_DRAIN_BATCH):
+                    if self.exit_code is not None:
+                        break
                     try:
                         frames = self.sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self.handle_frames(frames)
-            self._apply(self.membership.tick(time.monotonic()))
+            now = time.monotonic()
+            if now >= next_agent_beat:
+                # Agents watch for this: a node whose coordinator is gone cleans up and exits.
+                for identity, proc in list(self.membership.procs.items()):
+                    if proc.role == "agent":
+                        self._send(identity, protocol.HEARTBEAT, {})
+                next_agent_beat = now + AGENT_HEARTBEAT_S
+            self._apply(self.membership.tick(now))
         return self.exit_code if self.exit_code is not None else 0
 
     def handle_frames(self, frames: list[bytes]) -> None:

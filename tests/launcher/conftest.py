@@ -41,8 +41,18 @@ def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):
 class Job:
     """A p2p-run job of several emulated nodes (one p2p-run process per node)."""
 
-    def __init__(self, run_dir: Path, nnodes: int, nproc: int, spares: list[int], extra: list[str]):
+    def __init__(
+        self,
+        run_dir: Path,
+        nnodes: int,
+        nproc: int,
+        spares: list[int],
+        extra: list[str],
+        launcher_args: list[str] = (),
+        script: str = WORKER,
+    ):
         self.run_dir = run_dir
+        self.script = script
         self.nodes: list[subprocess.Popen] = []
         common = [
             "--nnodes",
@@ -57,6 +67,7 @@ class Job:
             "3",
             "--ack-timeout",
             "10",
+            *launcher_args,
         ]
         self.nodes.append(
             self._start(
@@ -91,7 +102,7 @@ class Job:
             )
 
     def _start(self, args: list[str], extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "launcher.cli", *args, WORKER, *extra])
+        return subprocess.Popen([sys.executable, "-m", "launcher.cli", *args, self.script, *extra])
 
     def _coordinator_info(self):
         path = self.run_dir / "coordinator.json"
@@ -137,8 +148,16 @@ class Job:
 def start_job(tmp_path):
     jobs: list[Job] = []
 
-    def start(nnodes=2, nproc=2, spares=(1, 0), extra=()):
-        job = Job(tmp_path / f"job{len(jobs)}", nnodes, nproc, list(spares), list(extra))
+    def start(nnodes=2, nproc=2, spares=(1, 0), extra=(), launcher_args=(), script=WORKER):
+        job = Job(
+            tmp_path / f"job{len(jobs)}",
+            nnodes,
+            nproc,
+            list(spares),
+            list(extra),
+            list(launcher_args),
+            script,
+        )
         jobs.append(job)
         return job
 

@@ -75,6 +75,17 @@ def test_ctrl_c_leaves_no_process_behind(start_job):
     wait_for(lambda: not any(alive(p) for p in pids), "every process of the job to exit", 15)
 
 
+def test_a_lost_coordinator_stops_every_node(start_job):
+    job = start_job(launcher_args=["--coordinator-timeout", "3"])
+    job.wait_event("generation_complete", generation=1)
+    pids = [e["pid"] for e in job.events("process_started")]
+    os.kill(job._coordinator_info()["pid"], signal.SIGKILL)
+    codes = [n.wait(timeout=30) for n in job.nodes]
+    assert codes == [1, 1]
+    assert len(job.events("coordinator_lost")) == 2
+    wait_for(lambda: not any(alive(p) for p in pids), "every rank and spare to exit", 15)
+
+
 def _run_cli(*args, timeout=60):
     return subprocess.run(
         [sys.executable, "-m", "launcher.cli", *args],
