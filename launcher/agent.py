@@ -12,11 +12,13 @@ lost node, and its processes must not linger as ghosts in the job.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -66,6 +68,7 @@ class _Child:
     identity: str
     role: str
     rank: int | None
+    local_rank: int | None
     proc: subprocess.Popen
     pidfd: int
 
@@ -84,6 +87,8 @@ class Agent:
         self._spawned = 0
         self._signal: int | None = None
         self.store_port = 0
+        self.end_reason: str | None = None
+        """The coordinator's reason when it ended the job."""
 
     # -- children ------------------------------------------------------------------------------
 
@@ -111,6 +116,7 @@ class Agent:
                 protocol.ENV_NODE_RANK: str(cfg.node_rank),
                 protocol.ENV_HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval_s),
                 protocol.ENV_RUN_DIR: cfg.run_dir,
+                protocol.ENV_AGENT_PID: str(os.getpid()),
             }
         )
         if cfg.nproc_per_node > 1:
@@ -118,8 +124,10 @@ class Agent:
         if rank is not None:
             env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), ROLE_RANK=str(rank))
         else:
-            for var in ("RANK", "LOCAL_RANK", "ROLE_RANK"):
+            for var in ("RANK", "ROLE_RANK"):
                 env.pop(var, None)
+            # A spare's device: the slots after the node's ranks (on a GPU node, one per spare).
+            env["LOCAL_RANK"] = str(local_rank)
         return env
 
     def _spawn(self, role: str, rank: int | None = None, local_rank: int | None = None) -> None:
@@ -131,8 +139,15 @@ class Agent:
             preexec_fn=_die_with_parent,
         )
         pidfd = os.pidfd_open(proc.pid)
-        self.children[pidfd] = _Child(identity, role, rank, proc, pidfd)
+        self.children[pidfd] = _Child(identity, role, rank, local_rank, proc, pidfd)
         self.events.write("process_started", identity=identity, role=role, rank=rank, pid=proc.pid)
+
+    def _spawn_spare(self) -> None:
+        # A spare's LOCAL_RANK is the first local slot after the ranks' that no live spare
+        # holds (the device it would use on a GPU node).
+        taken = {c.local_rank for c in self.children.values() if c.role == "spare"}
+        local = next(i for i in itertools.count(self.config.nproc_per_node) if i not in taken)
+        self._spawn("spare", None, local)
 
     def _reap(self, pidfd: int, sock: zmq.Socket) -> None:
         child = self.children.pop(pidfd)
@@ -224,7 +239,7 @@ class Agent:
             for local in range(cfg.nproc_per_node):
                 self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
             for _ in range(cfg.spares):
-                self._spawn("spare")
+                self._spawn_spare()
             return self._serve(sock, wake_r)
         finally:
             self.terminate_all()
@@ -279,12 +294,22 @@ class Agent:
             if msg.type == protocol.KILL:
                 self._kill(str(msg.body["identity"]), int(msg.body["pid"]), str(msg.body["reason"]))
             elif msg.type == protocol.SPAWN_SPARE:
-                self._spawn("spare")
+                self._spawn_spare()
             elif msg.type == protocol.SHUTDOWN:
                 self.events.write("agent_shutdown", **msg.body)
+                self.end_reason = str(msg.body.get("reason", ""))
                 return int(msg.body.get("code", 0))
 
 
-def run_agent(config: AgentConfig) -> int:
-    """Run an agent; its exit code is the job's (or 128 + signal)."""
-    return Agent(config).run()
+def run_agent(config: AgentConfig, on_end: Callable[[int, str], None] | None = None) -> int:
+    """Run an agent; its exit code is the job's (or 128 + signal).
+
+    Args:
+        config: The node's settings.
+        on_end: Called with the job's exit code and the coordinator's reason when it ends.
+    """
+    agent = Agent(config)
+    code = agent.run()
+    if on_end is not None and agent.end_reason is not None:
+        on_end(code, agent.end_reason)
+    return code

@@ -90,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas", type=int, default=1, help="replication factor k of the data plane (default 1)"
     )
     p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="directory or fsspec URL of the cold DCP checkpoints (engine scripts; "
+        "P2P_CHECKPOINT_DIR)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1000,
+        help="steps between cold checkpoints (default 1000)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the latest complete checkpoint under --checkpoint-dir",
+    )
+    p.add_argument(
         "--secret-file",
         default=None,
         help="per-job secret (mode 0600); node 0 creates <run-dir>/secret if absent",
@@ -114,6 +131,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--replicas {args.replicas} must be between 1 and {world - 1}")
     if args.heartbeat_interval <= 0 or args.heartbeat_timeout <= args.heartbeat_interval:
         raise UsageError("--heartbeat-timeout must be larger than --heartbeat-interval > 0")
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir (where to resume from)")
+    if args.checkpoint_every < 1:
+        raise UsageError("--checkpoint-every must be >= 1")
     if args.coordinator_timeout <= 1.0:
         raise UsageError(
             "--coordinator-timeout must be more than 1 s (the coordinator beats at 2 Hz)"
@@ -200,6 +221,22 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
     return proc, f"{host}:{info['port']}"
 
 
+def _engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The settings engine scripts read (``p2p_state.protect``'s defaults)."""
+    env = {"P2P_REPLICAS": str(args.replicas)}
+    if args.checkpoint_dir:
+        env["P2P_CHECKPOINT_DIR"] = args.checkpoint_dir
+        env["P2P_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+    if args.resume:
+        env["P2P_RESUME"] = "1"
+    return env
+
+
+def _report_end(code: int, reason: str) -> None:
+    if code != 0 and reason:
+        print(f"p2p-run: the job failed: {reason}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``p2p-run`` console script."""
     coordinator = None
@@ -230,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir=str(run_dir),
                 heartbeat_interval_s=args.heartbeat_interval,
                 coordinator_timeout_s=args.coordinator_timeout,
-            )
+                extra_env=_engine_env(args),
+            ),
+            on_end=_report_end,
         )
         if coordinator is not None:
             try:

@@ -13,7 +13,9 @@ identity), ``nodes`` (rank -> node), ``replaced`` (rank -> [old, new] identity),
 With ``full`` false (members that already know the previous generation) ``ranks`` and ``nodes``
 list only the ranks that changed; processes new to the job get the full maps.
 
-This module imports nothing from ``launcher`` but :mod:`launcher.protocol`.
+Rank-side events (recovery phases, steps) go to the job's event log through :meth:`event`.
+
+This module imports nothing from ``launcher`` but :mod:`launcher.protocol` and the event log.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import zmq
 
 from launcher import protocol
+from launcher.events import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ class ClientConfig:
     role: str
     node: int
     heartbeat_interval_s: float = 0.5
+    run_dir: str | None = None
+    """Where the job's event log lives (``None``: events are not written)."""
 
     @classmethod
     def from_env(cls) -> ClientConfig:
@@ -78,6 +83,7 @@ class ClientConfig:
             role=os.environ[protocol.ENV_ROLE],
             node=int(os.environ.get(protocol.ENV_NODE_RANK, "0")),
             heartbeat_interval_s=float(os.environ.get(protocol.ENV_HEARTBEAT_INTERVAL, "0.5")),
+            run_dir=os.environ.get(protocol.ENV_RUN_DIR) or None,
         )
 
 
@@ -89,6 +95,11 @@ class ControlClient:
         rank: The rank this process starts as (``None`` for a spare).
         on_generation: Called from the background thread with each generation's body (e.g. to
             interrupt a blocked step). Keep it short; the body also goes to :meth:`next_event`.
+        on_shutdown: Called from the background thread when the job ends (with the body:
+            ``code`` and ``reason``).
+        on_interrupt: Called from the background thread when the coordinator announces a fault
+            whose new generation will come later (a spare is awaited): ``generation``, ``lost``,
+            ``wait_s``.
     """
 
     def __init__(
@@ -96,10 +107,15 @@ class ControlClient:
         config: ClientConfig,
         rank: int | None = None,
         on_generation: Callable[[dict[str, Any]], None] | None = None,
+        on_shutdown: Callable[[dict[str, Any]], None] | None = None,
+        on_interrupt: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self._on_generation = on_generation
+        self._on_shutdown = on_shutdown
+        self._on_interrupt = on_interrupt
+        self.events = EventLog(config.run_dir, config.identity)
         self._codec = protocol.Codec(
             protocol.read_secret(config.secret_file), config.job_id, config.identity
         )
@@ -118,9 +134,21 @@ class ControlClient:
         """Tell the coordinator this rank has replicated ``step``."""
         self._post(protocol.REPLICATED, {"step": int(step)})
 
-    def report_error(self, reason: str) -> None:
-        """Report a failed or timed-out collective: the coordinator treats this rank as lost."""
-        self._post(protocol.ERROR, {"reason": reason[:1000]})
+    def report_error(self, reason: str, *, fatal: bool = False) -> None:
+        """Report a failure of this rank.
+
+        Args:
+            reason: What failed (logged by the coordinator).
+            fatal: ``False``: this rank is lost and is replaced (a failed or timed-out
+                collective it cannot attribute, a broken device). ``True``: the job cannot go
+                on at all (no copy of some state survives and there is no checkpoint); the
+                coordinator ends it with ``reason``.
+        """
+        self._post(protocol.ERROR, {"reason": reason[:1000], "fatal": bool(fatal)})
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Append an event to the job's event log (source: this process's identity)."""
+        self.events.write(name, **fields)
 
     def ack(self, generation: int) -> None:
         """Acknowledge a generation (after this rank has joined it)."""
@@ -185,6 +213,7 @@ class ControlClient:
                 os.close(fd)
             except OSError:
                 pass
+        self.events.close()
 
     def __enter__(self) -> ControlClient:
         return self
@@ -238,10 +267,15 @@ class ControlClient:
             if msg.type == protocol.WELCOME:
                 self.store_port = int(msg.body.get("store_port", 0))
                 self._welcome.set()
-            elif msg.type in (protocol.GENERATION, protocol.SHUTDOWN):
+            elif msg.type in (protocol.GENERATION, protocol.SHUTDOWN, protocol.INTERRUPT):
                 self.inbox.put((msg.type, msg.body))
-                if msg.type == protocol.GENERATION and self._on_generation is not None:
+                callback = {
+                    protocol.GENERATION: self._on_generation,
+                    protocol.SHUTDOWN: self._on_shutdown,
+                    protocol.INTERRUPT: self._on_interrupt,
+                }[msg.type]
+                if callback is not None:
                     try:
-                        self._on_generation(msg.body)
+                        callback(msg.body)
                     except Exception:
-                        logger.exception("generation callback failed")
+                        logger.exception("%s callback failed", msg.type)

@@ -31,6 +31,7 @@ from launcher.membership import (
     End,
     Event,
     Generation,
+    Interrupt,
     Kill,
     Membership,
     MembershipConfig,
@@ -203,7 +204,15 @@ class Coordinator:
             self._apply(self.membership.report_replicated(msg.sender, int(body["step"])))
         elif msg.type == protocol.ERROR:
             proc = self.membership.procs.get(msg.sender)
-            self.events.write("rank_error", identity=msg.sender, reason=str(body.get("reason")))
+            reason = str(body.get("reason"))
+            self.events.write(
+                "rank_error", identity=msg.sender, reason=reason, fatal=bool(body.get("fatal"))
+            )
+            if body.get("fatal"):
+                # The rank cannot be replaced into a working job (e.g. no copy of some state
+                # survives and there is no checkpoint): end the job with its reason.
+                self._apply(self.membership.end(1, f"{msg.sender}: {reason}"))
+                return
             if proc is not None:
                 self._apply([Kill(proc.node, msg.sender, proc.pid, "reported an error")])
             self._apply(self.membership.fault(msg.sender, f"reported: {body.get('reason')}", now))
@@ -240,6 +249,14 @@ class Coordinator:
                     protocol.KILL,
                     {"identity": action.identity, "pid": action.pid, "reason": action.reason},
                 )
+            elif isinstance(action, Interrupt):
+                body = {
+                    "generation": action.generation,
+                    "lost": list(action.lost),
+                    "wait_s": action.wait_s,
+                }
+                for identity in action.to:
+                    self._send(identity, protocol.INTERRUPT, body, action.generation)
             elif isinstance(action, SpawnSpare):
                 self.events.write("spare_requested", node=action.node)
                 self._send(f"agent/{action.node}", protocol.SPAWN_SPARE, {})

@@ -48,6 +48,11 @@ class Generation:
     store_prefix: str
     holders: dict[int, list[int]]
     """The replica map: rank -> ranks holding a copy of its shard (``p2p_state.place``)."""
+    directive: str = "train"
+    """``train``, or ``checkpoint``: restore, write a cold checkpoint and stop (the job ends)."""
+    reason: str = ""
+    renumbered: bool = False
+    """Ranks moved or the world size changed: every member needs the full maps."""
 
     def to_body(self, full: bool = True) -> dict[str, Any]:
         """msgpack-able form (map keys become strings).
@@ -56,8 +61,11 @@ class Generation:
         and node maps then list only the ranks that changed (a few bytes instead of tens of KB
         at 2,048 ranks). Newcomers (spares taking a rank) get the full maps.
         """
+        full = full or self.renumbered
         changed = set(self.replaced) if not full else set(self.ranks)
         return {
+            "directive": self.directive,
+            "reason": self.reason,
             "generation": self.generation,
             "world_size": self.world_size,
             "full": full,
@@ -98,6 +106,16 @@ class SpawnSpare:
 
 
 @dataclass(frozen=True, slots=True)
+class Interrupt:
+    """Tell these identities their generation is broken; the next one comes within ``wait_s``."""
+
+    to: tuple[str, ...]
+    generation: int
+    lost: tuple[int, ...]
+    wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class End:
     """The job is over: ``code`` 0 when every rank finished, non-zero on failure."""
 
@@ -127,6 +145,9 @@ class MembershipConfig:
     """With no spare left, how long a lost rank may wait for one before the job fails."""
     replicas: int = 1
     """Replication factor k of the data plane (for the replica map in every generation)."""
+    stop_timeout_s: float = 300.0
+    """When the job must stop (no spare in time), how long the survivors have to write their
+    checkpoint before the job ends anyway."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
@@ -139,7 +160,7 @@ class MembershipConfig:
                 f"MembershipConfig.replicas={self.replicas} must be >= 1 and below the world "
                 f"size {self.world_size}"
             )
-        for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s"):
+        for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MembershipConfig.{name} must be > 0")
 
@@ -172,6 +193,11 @@ class Membership:
         self.ended = False
         self.gone: set[str] = set()
         """Identities already declared lost (their later exit reports change nothing)."""
+        self.stopping: Generation | None = None
+        """The final generation (checkpoint and stop) once the job must stop."""
+        self.stop_deadline = 0.0
+        self.notified: set[int] = set()
+        """Vacant ranks whose fault the live ranks were already told about."""
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -252,6 +278,8 @@ class Membership:
                 out += self._end(0, "every rank finished")
             return out
         rank = self.rank_of(identity)
+        if self.stopping is not None:
+            return self._stopped_one(identity)
         if code == 0 and rank is not None:
             self.finished.add(rank)
             out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
@@ -274,6 +302,10 @@ class Membership:
         self.last_seen.pop(identity, None)
         if proc is None or self.ended:
             return []
+        if self.stopping is not None:  # no more generations: a loss only counts as an exit
+            return [Event("fault", {"identity": identity, "reason": reason})] + (
+                self._stopped_one(identity) if proc.role != "agent" else []
+            )
         self.gone.add(identity)
         self.awaiting.discard(identity)  # a lost member is no longer awaited
         out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
@@ -325,17 +357,28 @@ class Membership:
                     out += self._lose(identity, "did not acknowledge in time", now)
         if any(isinstance(a, Event) and a.name == "fault" for a in out):
             out += self._fill_vacancies(now)  # everything lost in this tick: one generation
-        if self.vacant and not self.ended and now - self.vacant_since > self.config.spare_wait_s:
-            out += self._end(
-                1,
+        if (
+            self.vacant
+            and not self.ended
+            and self.stopping is None
+            and now - self.vacant_since > self.config.spare_wait_s
+        ):
+            out += self._stop(
                 f"no spare for ranks {sorted(self.vacant)} within {self.config.spare_wait_s:.0f}s "
                 "(--spare-wait); add spares with --spares",
+                now,
+            )
+        if self.stopping is not None and not self.ended and now > self.stop_deadline:
+            out += self._end(
+                1, f"{self.stopping.reason} (the stop checkpoint did not finish in time)"
             )
         return out
 
     # -- internals -----------------------------------------------------------------------------
 
     def _fill_vacancies(self, now: float) -> list[Any]:
+        if self.stopping is not None:
+            return []
         out: list[Any] = []
         replaced: dict[int, list[str]] = {}
         for rank in sorted(self.vacant):
@@ -351,22 +394,74 @@ class Membership:
             del self.vacant[rank]
         if replaced and not self.vacant:
             out += self._new_generation(lost=sorted(replaced), replaced=replaced, now=now)
+        fresh = sorted(set(self.vacant) - self.notified)
+        if fresh and self.ranks:
+            # No spare yet: stop the survivors now (their collectives would otherwise wait on
+            # the lost rank) and tell them how long the next generation may take.
+            self.notified.update(fresh)
+            out.append(
+                Interrupt(
+                    tuple(self.ranks.values()),
+                    self.generation,
+                    tuple(sorted(self.vacant)),
+                    self.config.spare_wait_s,
+                )
+            )
         return out
 
+    def _stop(self, reason: str, now: float) -> list[Any]:
+        """The survivors restore the committed state among themselves, checkpoint it, and stop.
+
+        They form one last generation of their own (renumbered in rank order, a smaller world
+        whose state is resharded from the replicas of the lost ranks), so the checkpoint holds
+        the lost ranks' shards too.
+        """
+        survivors = [i for _, i in sorted(self.ranks.items())]
+        if not survivors:
+            return self._end(1, reason)
+        self.ranks = dict(enumerate(survivors))
+        lost = sorted(self.vacant)
+        self.vacant.clear()
+        out = [Event("job_stopping", {"reason": reason, "survivors": len(survivors)})]
+        out += self._new_generation(
+            lost=lost, replaced={}, now=now, directive="checkpoint", reason=reason
+        )
+        self.stopping = self.pending
+        self.stop_deadline = now + self.config.stop_timeout_s
+        self.awaiting = set()  # members exit when done; their exits end the job
+        return out
+
+    def _stopped_one(self, identity: str) -> list[Any]:
+        assert self.stopping is not None
+        members = set(self.stopping.ranks.values())
+        self.gone.add(identity)
+        if members <= self.gone and not self.ended:
+            return self._end(1, f"{self.stopping.reason}; the survivors wrote a checkpoint")
+        return []
+
     def _new_generation(
-        self, lost: list[int], replaced: dict[int, list[str]], now: float
+        self,
+        lost: list[int],
+        replaced: dict[int, list[str]],
+        now: float,
+        directive: str = "train",
+        reason: str = "",
     ) -> list[Any]:
         self.generation += 1
+        world = len(self.ranks) if directive == "checkpoint" else self.config.world_size
         gen = Generation(
             generation=self.generation,
-            world_size=self.config.world_size,
+            world_size=world,
             ranks=dict(sorted(self.ranks.items())),
             nodes={r: self.procs[i].node for r, i in sorted(self.ranks.items())},
             replaced=replaced,
             lost=lost,
             committed_step=self.committed_step,
             store_prefix=f"gen{self.generation}/",
-            holders=self._replica_map,
+            holders=self._replica_map if world == self.config.world_size else {},
+            directive=directive,
+            reason=reason,
+            renumbered=world != self.config.world_size,
         )
         superseded = self.pending
         self.pending = gen
@@ -377,6 +472,10 @@ class Membership:
         if superseded is not None:
             fields["supersedes"] = superseded.generation
         return [Event("generation_started", fields), Send(tuple(gen.ranks.values()), gen)]
+
+    def end(self, code: int, reason: str) -> list[Any]:
+        """End the job (a fatal report from a rank); nothing happens if it already ended."""
+        return self._end(code, reason)
 
     def _end(self, code: int, reason: str) -> list[Any]:
         if self.ended:

@@ -46,6 +46,8 @@ ENV_IDENTITY = "P2P_IDENTITY"
 ENV_NODE_RANK = "P2P_NODE_RANK"
 ENV_HEARTBEAT_INTERVAL = "P2P_HEARTBEAT_INTERVAL"
 ENV_RUN_DIR = "P2P_RUN_DIR"
+ENV_AGENT_PID = "P2P_AGENT_PID"
+"""Pid of the node's agent (the parent of every rank and spare it starts)."""
 
 # Message types.
 HELLO = "hello"  # any process -> coordinator: identity, role, node, pid
@@ -58,6 +60,8 @@ GENERATION = "generation"  # coordinator -> ranks and assigned spares (see launc
 KILL = "kill"  # coordinator -> agent: {"identity", "pid", "reason"}
 SPAWN_SPARE = "spawn_spare"  # coordinator -> agent
 SHUTDOWN = "shutdown"  # coordinator -> everyone: {"reason", "code"}
+INTERRUPT = "interrupt"  # coordinator -> ranks: {"generation", "lost", "wait_s"}: a fault, and
+# the next generation comes within wait_s (a spare is awaited): stop, and wait for it
 WELCOME = "welcome"  # coordinator -> any process after HELLO: {"generation", "store"}
 
 TYPES = frozenset(
@@ -72,6 +76,7 @@ TYPES = frozenset(
         KILL,
         SPAWN_SPARE,
         SHUTDOWN,
+        INTERRUPT,
         WELCOME,
     }
 )

@@ -1,5 +1,8 @@
 """The data plane: every rank's shard of the model and optimizer state lives on a buddy.
 
+Most training scripts need only the two functions of the facade (:mod:`p2p_state.api`):
+:func:`init_process_group` and :func:`protect`, which rebuild a lost rank from its peers.
+
 The pieces, each usable on its own:
 
 - :class:`TrainingState` describes a rank's live state (local FSDP shards, optimizer state, RNG,
@@ -16,6 +19,7 @@ Typical use inside a training loop (every rank)::
         replicator.replicate(step, extras={"sampler_offset": offset})
 """
 
+from p2p_state.api import init_process_group, protect
 from p2p_state.config import ReplicationConfig
 from p2p_state.layout import LayoutMismatchError, StateLayout, TensorEntry
 from p2p_state.memory import InsufficientMemoryError, MemoryKind
@@ -45,5 +49,7 @@ __all__ = [
     "StateLayout",
     "TensorEntry",
     "TrainingState",
+    "init_process_group",
     "place",
+    "protect",
 ]

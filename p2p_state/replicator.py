@@ -91,6 +91,12 @@ class _Round:
     copy_s: float
 
 
+def state_device(state: TrainingState) -> torch.device:
+    """The device the training state lives on (of its first parameter; CPU if it has none)."""
+    first = next(iter(state.model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def _resolve_backend(config: ReplicationConfig, kind: MemoryKind) -> str:
     backend = config.backend
     if backend == "auto":
@@ -122,6 +128,11 @@ class Replicator:
         on_replicated: Called from the worker thread with each newly committed step.
         progress_hook: Called from the worker thread as ``hook(step, round, num_rounds)`` after
             each chunk round of a transfer (fault injection and progress reporting).
+        group: The replication process group (every rank of the default group, backend
+            :meth:`backend_for`); by default one is created, and destroyed by :meth:`close`.
+            A group passed in belongs to the caller.
+        placement: Who holds whose replica; by default :func:`place` over the default group's
+            world with ``ranks_per_node``.
     """
 
     def __init__(
@@ -132,6 +143,8 @@ class Replicator:
         generation: int = 0,
         on_replicated: Callable[[int], None] | None = None,
         progress_hook: Callable[[int, int, int], None] | None = None,
+        group: dist.ProcessGroup | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.state = state
         self.config = config or ReplicationConfig()
@@ -140,16 +153,20 @@ class Replicator:
         self._progress_hook = progress_hook
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        first = next(iter(state.model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self.kind = resolve_kind(self.config.memory, self.device)
-        self.backend = _resolve_backend(self.config, self.kind)
-        rpn = self.config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        self.placement: Placement = place(self.world_size, rpn, self.config.k)
+        self.device = state_device(state)
+        self.kind, self.backend = self.backend_for(self.config, self.device)
+        if placement is None:
+            rpn = self.config.ranks_per_node or int(
+                os.environ.get("LOCAL_WORLD_SIZE", self.world_size)
+            )
+            placement = place(self.world_size, rpn, self.config.k)
+        assert placement.world_size == self.world_size
+        self.placement: Placement = placement
         for warning in self.placement.warnings():
             logger.warning("replica placement: %s", warning)
 
-        self.group = dist.new_group(
+        self._owns_group = group is None
+        self.group = group or dist.new_group(
             backend=self.backend, timeout=timedelta(seconds=self.config.timeout_s)
         )
         self._wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
@@ -208,6 +225,12 @@ class Replicator:
             target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
         )
         self._worker.start()
+
+    @staticmethod
+    def backend_for(config: ReplicationConfig, device: torch.device) -> tuple[MemoryKind, str]:
+        """The memory kind and transport a replicator of training state on ``device`` uses."""
+        kind = resolve_kind(config.memory, device)
+        return kind, _resolve_backend(config, kind)
 
     # -- training thread -----------------------------------------------------------------------
 
@@ -450,9 +473,24 @@ class Replicator:
 
         ``owner`` may be this rank (its own snapshot) or any rank whose replica it holds.
         """
-        slot = self.own_slot(step) if owner == self.rank else self.replica_slot(owner, step)
+        slot = self.slot(owner, step)
         assert 0 <= start <= end <= slot.header.nbytes
         return slot.buffer[start:end]
+
+    def copies(self) -> list[tuple[int, int, int, bool]]:
+        """Every complete copy held here as ``(world_size, owner, step, is_own)``.
+
+        A copy of ``owner``'s state at ``step`` in a world of ``world_size`` ranks is the same
+        bytes whichever generation made it, which is what recovery plans with.
+        """
+        out = [(self.world_size, self.rank, s, True) for s in self.own_steps()]
+        for owner, infos in self.holdings().items():
+            out += [(self.world_size, owner, i.step, False) for i in infos]
+        return out
+
+    def slot(self, owner: int, step: int) -> Slot:
+        """The verified copy of ``owner``'s state at ``step``: the own snapshot or a replica."""
+        return self.own_slot(step) if owner == self.rank else self.replica_slot(owner, step)
 
     def own_slot(self, step: int) -> Slot:
         """This rank's verified own snapshot of ``step`` (same errors as :meth:`replica_slot`)."""
@@ -536,6 +574,27 @@ class Replicator:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker thread (after the round in progress) and release the process group."""
+        if not self._stop_worker(timeout_s):
+            return
+        if self._failure is None and self._owns_group:
+            dist.destroy_process_group(self.group)
+
+    def abandon(self, timeout_s: float = 10.0) -> bool:
+        """Stop replicating after a fault, keeping every complete copy readable.
+
+        The caller has aborted the replication group, so a round in flight fails promptly;
+        nothing incomplete is ever published. The group is left to its owner.
+
+        Returns:
+            Whether the worker stopped within ``timeout_s`` (if not, it is left as a daemon;
+            it only ever writes slots that are not published).
+        """
+        with self._lock:
+            if self._failure is None:
+                self._failure = ReplicationError("replication was abandoned after a fault")
+        return self._stop_worker(timeout_s)
+
+    def _stop_worker(self, timeout_s: float) -> bool:
         if self._fence_handle is not None:
             self._fence_handle.remove()
             self._fence_handle = None
@@ -548,9 +607,8 @@ class Replicator:
                     self.rank,
                     timeout_s,
                 )
-                return
-        if self._failure is None:
-            dist.destroy_process_group(self.group)
+                return False
+        return True
 
     def __enter__(self) -> Replicator:
         return self

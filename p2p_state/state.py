@@ -9,6 +9,7 @@ FSDP's state-dict helpers run collectives, which must not happen on the recovery
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import weakref
@@ -187,6 +188,11 @@ class TrainingState:
         for name, t in self._rng_entries():
             yield name, t.dtype, tuple(t.shape), tuple(t.shape), 0
 
+    @property
+    def optimizer_fresh(self) -> bool:
+        """The optimizer has not built its state yet (no step taken since it was created)."""
+        return self.optimizer is not None and not self.optimizer.state
+
     def live_tensors(self) -> list[torch.Tensor]:
         """Local tensors in layout order (RNG entries excluded); copies of these are snapshots.
 
@@ -200,6 +206,21 @@ class TrainingState:
                 "(a restore creates the state itself)"
             )
         return live
+
+    def _snapshot_pairs(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(view of ``buffer``, live tensor) for every non-empty entry that exists right now.
+
+        Before the optimizer's first step its state entries do not exist yet: only parameters
+        and buffers are paired (they come first in the layout), and the snapshot records that
+        the optimizer was fresh.
+        """
+        live = [_local(t) for _, t in self._named_live()]
+        if len(live) != self._num_tensor_entries and not self.optimizer_fresh:
+            raise RuntimeError(
+                "the optimizer state does not match the layout it was described with; "
+                "parameters or optimizer state were added after the engine was set up"
+            )
+        return [(v, t) for v, t in zip(self.views(buffer), live) if v.numel()]
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of ``buffer`` for every non-RNG entry, in layout order.
@@ -225,6 +246,26 @@ class TrainingState:
             self._views[id(buffer)] = (weakref.ref(buffer), out)
         return out
 
+    def digest(self) -> str:
+        """SHA-256 of this rank's live state: every tensor's bytes, the RNG states, the
+        scheduler, optimizer hyper-parameters and step counters (hex).
+
+        Two ranks of two runs have the same digest exactly when their states are bitwise equal:
+        what the correctness checks compare.
+        """
+        h = hashlib.sha256()
+        for name, t in self._named_live():
+            local = _local(t).detach().reshape(-1).contiguous().cpu()
+            h.update(name.encode())
+            h.update(local.view(torch.uint8).numpy().tobytes())
+        for name, t in self._rng_entries():
+            h.update(name.encode())
+            h.update(t.cpu().numpy().tobytes())
+        blob = msgpack.unpackb(self._blob(0, {}), raw=False, strict_map_key=False)
+        for key in ("scheduler", "groups", "optim_scalars", "optimizer_fresh"):
+            h.update(msgpack.packb(blob[key], use_bin_type=True, default=_encode_default))
+        return h.hexdigest()
+
     # -- the non-tensor state ------------------------------------------------------------------
 
     def _blob(self, step: int, extras: Mapping[str, Any]) -> bytes:
@@ -240,6 +281,9 @@ class TrainingState:
             ],
             "optim_scalars": self._optimizer_scalars(),
             "py_random": [py_state[0], list(py_state[1]), py_state[2]],
+            # Before the first optimizer step there is no optimizer state to store: a restore
+            # then leaves the optimizer fresh, so its first step is exactly a first step.
+            "optimizer_fresh": self.optimizer_fresh,
             "np_random": [np_state[0], np_state[1].tobytes(), *np_state[2:]],
         }
         data = msgpack.packb(state, use_bin_type=True, default=_encode_default)
@@ -284,9 +328,7 @@ class TrainingState:
 
     def copy_tensors_into(self, buffer: torch.Tensor) -> None:
         """Copy every live tensor into its range of ``buffer`` (one batched copy)."""
-        dst = self.views(buffer)
-        src = self.live_tensors()
-        pairs = [(d, s) for d, s in zip(dst, src) if d.numel()]
+        pairs = self._snapshot_pairs(buffer)
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_(
@@ -318,14 +360,16 @@ class TrainingState:
             ``(step, extras)`` as given to :meth:`capture`.
         """
         blob = self.read_blob(buffer)
+        fresh = bool(blob.get("optimizer_fresh"))
         if self.optimizer is not None:
-            ensure_optimizer_state(self.optimizer)
+            if fresh:
+                self.optimizer.state.clear()
+            else:
+                ensure_optimizer_state(self.optimizer)
         with torch.no_grad():
-            dst = self.live_tensors()
-            src = self.views(buffer)
-            pairs = [(d, s) for d, s in zip(dst, src) if d.numel()]
+            pairs = self._snapshot_pairs(buffer)
             if pairs:
-                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+                torch._foreach_copy_([t for _, t in pairs], [v for v, _ in pairs])
         for name, _ in self._rng_entries():
             e = self.layout.entry(name)
             _set_rng(name, buffer[e.offset : e.end].cpu().clone())

@@ -175,6 +175,15 @@ class ColdCheckpointer:
         finally:
             self._pending = None
 
+    def abandon(self) -> None:
+        """Stop waiting for a save in progress (after a fault: its group is being torn down).
+
+        A save cut short never counts: DCP writes its metadata file last.
+        """
+        if self._pending is not None:
+            logger.warning("abandoning the checkpoint of step %d in progress", self._pending_step)
+        self._pending = None
+
     def load(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """Load a checkpoint (the latest complete one by default) into the live state.
 

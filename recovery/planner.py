@@ -18,7 +18,7 @@ across all holders of their owner so that a lost rank's state comes from every b
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2p_state.layout import ALIGN_BYTES, StateLayout, TensorEntry, dtype_from_name
@@ -251,3 +251,59 @@ def _plan_rows(
                         ne.offset + (a - n0) * row,
                     )
                 )
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """The state recovery restores: ``step`` of a world of ``world_size`` ranks, and its copies."""
+
+    world_size: int
+    step: int
+    holders: dict[int, list[int]]
+    """Old rank -> the new ranks holding a copy of its state at ``step``."""
+    inherits_from: list[int]
+    """New rank -> the old rank whose per-rank state (RNG, schedule, extras) it takes."""
+
+
+def choose_source(
+    copies: Sequence[Iterable[tuple[int, int, int, bool]]], new_world_size: int
+) -> Source | None:
+    """The most recent state every shard of which some new rank still holds.
+
+    A copy of rank ``r``'s state at step ``s`` in a world of ``W`` ranks is the same bytes
+    whichever generation made it, so copies are matched on ``(W, r, s)``: snapshots survivors
+    kept of their own state, replicas they keep of others', from any generation. The newest
+    step for which all ``W`` shards have a copy wins (at equal steps, the world the job is
+    going to, which moves fewer bytes).
+
+    Args:
+        copies: ``copies[new_rank]``: ``(world_size, owner, step, is_own)`` of every verified
+            copy that new rank holds.
+        new_world_size: Ranks of the world being restored into.
+
+    Returns:
+        The source, or ``None`` when no step is complete (the caller falls back to DCP).
+    """
+    by_key: dict[tuple[int, int], dict[int, set[int]]] = {}  # (W, s) -> owner -> new ranks
+    own: dict[tuple[int, int], dict[int, int]] = {}  # (W, s) -> new rank -> its old rank
+    for new_rank, held in enumerate(copies):
+        for world, owner, step, is_own in held:
+            by_key.setdefault((world, step), {}).setdefault(owner, set()).add(new_rank)
+            if is_own:
+                own.setdefault((world, step), {})[new_rank] = owner
+    complete = [k for k, owners in by_key.items() if len(owners) == k[0]]
+    if not complete:
+        return None
+    world, step = max(complete, key=lambda k: (k[1], k[0] == new_world_size, -k[0]))
+    holders = {o: sorted(r) for o, r in sorted(by_key[(world, step)].items())}
+    mine = own.get((world, step), {})
+    taken = set(mine.values())
+    inherits = []
+    for n in range(new_world_size):
+        if n in mine:
+            inherits.append(mine[n])
+        elif n < world and n not in taken:
+            inherits.append(n)  # a spare in a lost rank's place takes over that rank
+        else:
+            inherits.append(n % world)
+    return Source(world, step, holders, inherits)

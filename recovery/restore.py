@@ -10,13 +10,20 @@ Afterwards the target buffer holds this rank's new state, ready for
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
-from p2p_state.transfer import Recv, Send, exchange, transfer_tag
-from recovery.planner import RestorePlan
+from p2p_state.layout import LayoutMismatchError
+from p2p_state.replicator import ReplicaCorruptError, Replicator
+from p2p_state.state import TrainingState
+from p2p_state.transfer import Recv, Send, exchange, gather_bytes, transfer_tag
+from recovery.planner import RestorePlan, choose_source, plan_restore, shard_layout
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +66,10 @@ def execute_plan(
     sends, recvs, received = [], [], 0
     for i, t in enumerate(plan.transfers):
         if t.src == rank and t.dst == rank:
-            target[t.dst_start : t.dst_start + t.nbytes].copy_(
-                source(t.owner)[t.src_start : t.src_end]
-            )
+            src = source(t.owner)[t.src_start : t.src_end]
+            dst = target[t.dst_start : t.dst_start + t.nbytes]
+            if src.data_ptr() != dst.data_ptr():  # restoring straight from a held copy
+                dst.copy_(src)
         elif t.src == rank:
             sends.append(Send(t.dst, source(t.owner)[t.src_start : t.src_end], transfer_tag(i)))
         elif t.dst == rank:
@@ -77,3 +85,196 @@ def execute_plan(
         received / 2**20,
     )
     return received
+
+
+class NoSurvivingCopy(RuntimeError):
+    """Some shard has no verified copy on any member: the state must come from a checkpoint."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreOutcome:
+    """What :func:`restore_world` restored and what it cost."""
+
+    step: int
+    extras: dict[str, Any]
+    source_world_size: int
+    plan_s: float
+    transfer_s: float
+    restore_s: float
+    bytes_received: int
+    num_transfers: int
+
+
+def gather_copies(
+    stores: Sequence[Replicator],
+    group: dist.ProcessGroup,
+    wire_device: torch.device,
+    timeout_s: float,
+) -> list[set[tuple[int, int, int, bool]]]:
+    """Every member's census of the copies it holds; collective over ``group``.
+
+    Returns:
+        ``held[rank]``: ``(world_size, owner, step, is_own)`` of every complete copy held by
+        that member (own snapshots and replicas, old generations included).
+    """
+    mine = msgpack.packb([list(c) for c in _held(stores)])
+    return [
+        {tuple(c) for c in msgpack.unpackb(raw)}
+        for raw in gather_bytes(mine, group, wire_device, timeout_s)
+    ]
+
+
+def restore_from_peers(
+    state: TrainingState,
+    stores: Sequence[Replicator],
+    held: list[set[tuple[int, int, int, bool]]],
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    *,
+    memory: torch.device,
+    chunk_bytes: int,
+    timeout_s: float,
+    wire_device: torch.device,
+) -> RestoreOutcome:
+    """Rebuild every member's state from the copies the members hold; collective over ``group``.
+
+    Every member computes the same :func:`recovery.planner.choose_source` and
+    :func:`recovery.planner.plan_restore` from the census (:func:`gather_copies`), verifies
+    the copies it will serve and announces failures (with its layout's structure, so members
+    that built different models are caught); a failed copy is dropped and the choice made
+    again. Then :func:`execute_plan` moves the bytes and the live state is restored in place.
+
+    Args:
+        state: The member's freshly built training state (its layout is the new one).
+        stores: Replicators whose copies this member holds.
+        held: The census (modified: failed copies are removed).
+        group: The new generation's replication group.
+        rank, world_size: This member's place in the new world.
+        memory: Device for the receive buffer (where snapshots live).
+        chunk_bytes, timeout_s: As for the transfers of replication.
+        wire_device: Device of the small control tensors on ``group`` (CUDA for NCCL).
+
+    Raises:
+        NoSurvivingCopy: no step has a copy of every shard (same answer on every member).
+        LayoutMismatchError: members built different models.
+        p2p_state.transfer.TransferError: a member failed during the transfer.
+    """
+    t0 = time.perf_counter()
+    new_layouts = [shard_layout(state.layout, world_size, r) for r in range(world_size)]
+    if new_layouts[rank].layout_hash != state.layout.layout_hash:
+        raise LayoutMismatchError(
+            f"rank {rank}'s model has {state.layout.describe()}, not the dim-0 sharding of "
+            f"{world_size} ranks the planner expects ({new_layouts[rank].describe()}): shard "
+            "every parameter with fully_shard on the default mesh"
+        )
+    verified: dict[tuple[int, int], torch.Tensor] = {}
+    while True:
+        source = choose_source(held, world_size)
+        if source is None:
+            raise NoSurvivingCopy(describe_gap(held))
+        old_layouts = [
+            shard_layout(state.layout, source.world_size, r) for r in range(source.world_size)
+        ]
+        plan = plan_restore(
+            old_layouts, new_layouts, source.holders, source.inherits_from, source.step
+        )
+        bad = []
+        for owner in sorted({t.owner for t in plan.transfers if t.src == rank}):
+            if (source.world_size, owner) in verified:
+                continue
+            try:
+                slot = _find_slot(stores, source.world_size, owner, source.step)
+                if slot.header.layout_hash != old_layouts[owner].layout_hash:
+                    raise ReplicaCorruptError(
+                        f"copy of rank {owner} at step {source.step} has layout "
+                        f"{slot.header.layout_hash}, expected {old_layouts[owner].layout_hash}"
+                    )
+                verified[(source.world_size, owner)] = slot.buffer
+            except (KeyError, ReplicaCorruptError) as e:
+                logger.error("rank %d cannot serve its copy: %s", rank, e)
+                bad.append([source.world_size, owner, source.step])
+        mine = msgpack.packb({"bad": bad, "structure": state.layout.structure_hash})
+        reports = [msgpack.unpackb(b) for b in gather_bytes(mine, group, wire_device, timeout_s)]
+        for r, doc in enumerate(reports):
+            if doc["structure"] != state.layout.structure_hash:
+                raise LayoutMismatchError(
+                    f"rank {r} built a model of structure {doc['structure']} but rank {rank} "
+                    f"built {state.layout.describe()}: every rank's factory must build the same "
+                    "model and optimizer"
+                )
+        failed = [(r, tuple(b)) for r, doc in enumerate(reports) for b in doc["bad"]]
+        if not failed:
+            break
+        for r, (world, owner, step) in failed:
+            held[r] = {c for c in held[r] if c[:3] != (world, owner, step)}
+    t1 = time.perf_counter()
+
+    whole_own = [
+        t
+        for t in plan.transfers
+        if t.dst == rank
+        and t.src == rank
+        and t.src_start == 0
+        and t.dst_start == 0
+        and t.nbytes >= state.layout.total_bytes
+    ]
+    if whole_own and len(plan.for_rank(rank)[1]) == 1:
+        # This rank's new state is exactly a copy it holds (a survivor of a replace): restore
+        # straight from it. It still serves the others.
+        target = verified[(source.world_size, whole_own[0].owner)][: state.layout.total_bytes]
+    else:
+        target = torch.empty(state.layout.total_bytes, dtype=torch.uint8, device=memory)
+    received = execute_plan(
+        plan,
+        rank,
+        group,
+        lambda owner: verified[(source.world_size, owner)],
+        target,
+        chunk_bytes=chunk_bytes,
+        timeout_s=timeout_s,
+    )
+    t2 = time.perf_counter()
+    step, extras = state.restore(target)
+    assert step == source.step, (step, source.step)
+    return RestoreOutcome(
+        step=step,
+        extras=extras,
+        source_world_size=source.world_size,
+        plan_s=t1 - t0,
+        transfer_s=t2 - t1,
+        restore_s=time.perf_counter() - t2,
+        bytes_received=received,
+        num_transfers=len(plan.transfers),
+    )
+
+
+def _held(stores: Sequence[Replicator]) -> list[tuple[int, int, int, bool]]:
+    out: dict[tuple[int, int, int], bool] = {}
+    for store in stores:
+        for world, owner, step, own in store.copies():
+            out[(world, owner, step)] = out.get((world, owner, step), False) or own
+    return [(*k, own) for k, own in sorted(out.items())]
+
+
+def _find_slot(stores: Sequence[Replicator], world: int, owner: int, step: int):
+    for store in stores:
+        if store.world_size == world and (world, owner, step) in {c[:3] for c in store.copies()}:
+            return store.slot(owner, step)
+    raise KeyError(f"no copy of rank {owner} of a {world}-rank world at step {step} here")
+
+
+def describe_gap(held: Sequence[set[tuple[int, int, int, bool]]]) -> str:
+    """Which shards have no surviving copy, for the error message."""
+    worlds = sorted({c[0] for h in held for c in h})
+    if not worlds:
+        return "no member holds any copy of the training state"
+    world = worlds[-1]
+    steps = sorted({c[2] for h in held for c in h if c[0] == world})
+    step = steps[-1]
+    have = {c[1] for h in held for c in h if c[:1] == (world,) and c[2] == step}
+    missing = sorted(set(range(world)) - have)
+    return (
+        f"no step has a copy of every shard: at step {step} of the {world}-rank world the shards "
+        f"of ranks {missing} were lost together with every replica of them"
+    )

@@ -7,6 +7,7 @@ import pytest
 from launcher.membership import (
     End,
     Event,
+    Interrupt,
     Kill,
     Membership,
     MembershipConfig,
@@ -118,14 +119,39 @@ def test_a_fault_during_a_generation_change_supersedes_it():
     assert started[0].fields["generation"] == 3 and started[0].fields["supersedes"] == 2
 
 
-def test_no_spare_waits_then_fails_with_a_clear_reason():
+def test_no_spare_waits_then_the_survivors_checkpoint_and_the_job_fails_clearly():
     m, _ = job(spares=0, spare_wait_s=10.0, heartbeat_timeout_s=100.0)
     ack_all(m)
     out = m.exited("rank/3", -9, 1.0)
     assert "waiting_for_spare" in names(out) and not of(out, Send)
+    # The survivors are stopped at once and told how long a spare may take.
+    (notice,) = of(out, Interrupt)
+    assert notice.to == ("rank/0", "rank/1", "rank/2") and notice.lost == (3,)
+    assert notice.wait_s == 10.0
     assert m.tick(5.0) == []
-    (end,) = of(m.tick(11.5), End)
-    assert end.code == 1 and "no spare for ranks [3]" in end.reason and "--spares" in end.reason
+    out = m.tick(11.5)
+    assert not of(out, End)
+    # One last generation of the survivors, renumbered, restores and checkpoints, then stops.
+    (final,) = of(out, Send)
+    gen = final.generation
+    assert gen.directive == "checkpoint" and gen.world_size == 3 and gen.lost == [3]
+    assert gen.ranks == {0: "rank/0", 1: "rank/1", 2: "rank/2"}
+    assert gen.to_body(full=False)["full"] is True  # renumbered: everyone gets the full maps
+    assert "no spare for ranks [3]" in gen.reason and "--spares" in gen.reason
+    assert not of(m.exited("rank/0", 1, 12.0) + m.exited("rank/1", 1, 12.1), End)
+    (end,) = of(m.exited("rank/2", 1, 12.2), End)
+    assert end.code == 1 and "no spare for ranks [3]" in end.reason
+    assert "checkpoint" in end.reason
+
+
+def test_a_stop_that_does_not_finish_in_time_still_ends_the_job():
+    m, _ = job(spares=0, spare_wait_s=10.0, heartbeat_timeout_s=100.0, stop_timeout_s=30.0)
+    ack_all(m)
+    m.exited("rank/3", -9, 1.0)
+    m.tick(11.5)
+    assert not of(m.tick(30.0), End)
+    (end,) = of(m.tick(42.0), End)
+    assert end.code == 1 and "did not finish in time" in end.reason
 
 
 def test_a_spare_arriving_in_time_fills_the_vacancy():

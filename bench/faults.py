@@ -1,0 +1,244 @@
+"""Fault specifications and the in-process injector that fires them at exact points of a step.
+
+A fault is written as ``kind:target@when[:phase=...]``:
+
+========================================  =====================================================
+``kill:rank=3@step=20``                   SIGKILL rank 3 during step 20 (``phase``: ``forward``
+                                          (default), ``backward``, ``optimizer``,
+                                          ``replication``)
+``hang:rank=2@step=60``                   SIGSTOP rank 2 during step 60 (a hang: only the
+                                          heartbeat timeout notices it)
+``kill-node:node=1@step=40``              SIGKILL node 1's agent at step 40: every process of
+                                          the node dies with it
+``kill-buddies:rank=1@step=80``           rank 1 and every rank holding a copy of its shard die
+                                          together (no copy survives: the cold checkpoint is used)
+``during-replication:rank=1@step=5``      SIGKILL rank 1 while it sends its snapshot of step 5
+``during-recovery:rank=2@recovery=1``     SIGKILL rank 2 in the middle of the first recovery
+                                          (``phase``: a recovery phase, default ``plan``)
+========================================  =====================================================
+
+The faults a job should suffer are passed to its ranks as JSON in ``P2P_INJECT``; each rank arms
+an :class:`Injector` on its protected job. Every fault fires once per job (a marker file in the
+run directory), so the spare that takes a killed rank's place does not kill itself again.
+Killing is a real ``SIGKILL`` (or ``SIGSTOP``) of the process, from inside it at the chosen
+point: the rest of the job sees exactly what a crash or a hang looks like.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_INJECT = "P2P_INJECT"
+#: Set by p2p-run's agent for the processes it starts.
+ENV_AGENT_PID = "P2P_AGENT_PID"
+
+KINDS = ("kill", "hang", "kill-node", "kill-buddies", "during-replication", "during-recovery")
+STEP_PHASES = ("forward", "backward", "optimizer", "replication")
+RECOVERY_PHASES = ("communicators", "plan", "build", "transfer", "restore", "replicate")
+_SPEC = re.compile(
+    r"^(?P<kind>[a-z-]+):(?P<key>rank|node)=(?P<target>\d+)@(?P<when>step|recovery)=(?P<at>\d+)"
+    r"(?::phase=(?P<phase>[a-z]+))?$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One fault to inject."""
+
+    kind: str
+    target: int
+    """A rank, or a node for ``kill-node``."""
+    at: int
+    """A step, or for ``during-recovery`` the ordinal of the recovery (1 = the first)."""
+    phase: str
+
+    @property
+    def id(self) -> str:
+        """A stable name (marker files, reports)."""
+        return f"{self.kind}-{self.target}-{self.at}-{self.phase}"
+
+    def __str__(self) -> str:
+        key = "node" if self.kind == "kill-node" else "rank"
+        when = "recovery" if self.kind == "during-recovery" else "step"
+        return f"{self.kind}:{key}={self.target}@{when}={self.at}:phase={self.phase}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse one fault specification.
+
+    Raises:
+        ValueError: one line naming what is wrong and the accepted form.
+    """
+    m = _SPEC.match(spec.strip())
+    usage = (
+        "write kill:rank=R@step=S[:phase=forward|backward|optimizer|replication], "
+        "hang:rank=R@step=S, kill-node:node=N@step=S, kill-buddies:rank=R@step=S, "
+        "during-replication:rank=R@step=S or during-recovery:rank=R@recovery=K[:phase=P]"
+    )
+    if not m:
+        raise ValueError(f"bad fault spec {spec!r}: {usage}")
+    kind, key, when = m["kind"], m["key"], m["when"]
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r} in {spec!r}: {usage}")
+    if (key == "node") != (kind == "kill-node"):
+        raise ValueError(f"{kind} targets a {'node' if kind == 'kill-node' else 'rank'}: {usage}")
+    if (when == "recovery") != (kind == "during-recovery"):
+        raise ValueError(f"{kind} happens at a {'recovery' if when == 'step' else 'step'}: {usage}")
+    phases = RECOVERY_PHASES if kind == "during-recovery" else STEP_PHASES
+    default = {"during-recovery": "plan", "during-replication": "replication"}.get(kind, "forward")
+    phase = m["phase"] or default
+    if phase not in phases:
+        raise ValueError(f"phase {phase!r} of {spec!r} is not one of {', '.join(phases)}")
+    if kind == "during-replication" and phase != "replication":
+        raise ValueError(f"{spec!r}: during-replication always fires in the replication phase")
+    at = int(m["at"])
+    if at < 1:
+        raise ValueError(f"{spec!r}: steps and recoveries count from 1")
+    return Fault(kind, int(m["target"]), at, phase)
+
+
+def random_faults(
+    num: int, *, seed: int, world_size: int, num_steps: int, first_step: int = 2
+) -> list[Fault]:
+    """``num`` kills and hangs of random ranks at distinct random steps (the chaos mode)."""
+    if num < 0 or num_steps - first_step + 1 < num:
+        raise ValueError(
+            f"cannot place {num} faults at distinct steps between {first_step} and {num_steps}"
+        )
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(first_step, num_steps + 1), num))
+    return [
+        Fault(
+            rng.choice(("kill", "kill", "hang")),
+            rng.randrange(world_size),
+            s,
+            rng.choice(STEP_PHASES[:3]),
+        )
+        for s in steps
+    ]
+
+
+def to_env(faults: list[Fault]) -> str:
+    """The value of ``P2P_INJECT`` for these faults."""
+    return json.dumps([asdict(f) for f in faults])
+
+
+def from_env(value: str | None = None) -> list[Fault]:
+    """The faults in ``P2P_INJECT`` (none when it is unset)."""
+    raw = os.environ.get(ENV_INJECT, "") if value is None else value
+    return [Fault(**d) for d in json.loads(raw)] if raw else []
+
+
+class Injector:
+    """Fires this rank's share of ``faults`` from the protected job's hooks.
+
+    Args:
+        faults: Every fault of the job (each rank decides which are its own).
+        run_dir: Where the once-only markers go (the job's run directory).
+        events: ``events(name, **fields)``: records ``fault_injected`` right before a fault
+            fires (the bench's time zero for detection).
+    """
+
+    def __init__(self, faults: list[Fault], run_dir: str, events: Any) -> None:
+        self.faults = faults
+        self.markers = Path(run_dir) / "faults"
+        self.markers.mkdir(parents=True, exist_ok=True)
+        self._event = events
+        self._job: Any = None
+        self._step = 0
+        self._recoveries_seen = 0
+
+    def arm(self, job: Any) -> None:
+        """Attach to a :class:`recovery.job.ProtectedJob` (before its first step)."""
+        self._job = job
+        self._recoveries_seen = len(job.recoveries)
+        job.add_hook(self._on_hook)
+        if job.model is not None:
+            self._on_built(job.model, job.optimizer)
+
+    # -- hook points ---------------------------------------------------------------------------
+
+    def _on_hook(self, point: str, **info: Any) -> None:
+        if point == "built":
+            self._on_built(info["model"], info["optimizer"])
+        elif point == "step_begin":
+            self._step = info["step"]
+            self._maybe("forward", self._step)
+        elif point == "replication_chunk" and info["round"] == 0:
+            self._maybe("replication", info["step"])
+        elif point == "recovery_phase":
+            self._maybe_recovery(info["phase"])
+
+    def _on_built(self, model: Any, optimizer: Any) -> None:
+        model.register_full_backward_pre_hook(lambda *_: self._maybe("backward", self._step))
+        optimizer.register_step_pre_hook(lambda *_: self._maybe("optimizer", self._step))
+
+    # -- firing --------------------------------------------------------------------------------
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def _mine(self, fault: Fault) -> bool:
+        rank = self._rank()
+        if fault.kind == "kill-node":
+            return int(os.environ.get("GROUP_RANK", "-1")) == fault.target
+        if fault.kind == "kill-buddies":
+            placement = self._job.replicator.placement if self._job.replicator else None
+            buddies = placement.holders[fault.target] if placement else ()
+            return rank == fault.target or rank in buddies
+        return rank == fault.target
+
+    def _maybe(self, phase: str, step: int) -> None:
+        for fault in self.faults:
+            if fault.kind == "during-recovery" or fault.phase != phase or fault.at != step:
+                continue
+            if self._mine(fault):
+                self._fire(fault)
+
+    def _maybe_recovery(self, phase: str) -> None:
+        ordinal = len(self._job.recoveries) + 1  # the recovery in progress
+        for fault in self.faults:
+            here = fault.kind == "during-recovery" and (fault.phase, fault.at) == (phase, ordinal)
+            if here and self._mine(fault):
+                self._fire(fault)
+
+    def _fire(self, fault: Fault) -> None:
+        # One marker per rank for faults several ranks fire together (kill-buddies), one per
+        # fault for a node loss (the first rank of the node to get there kills the agent).
+        who = "" if fault.kind == "kill-node" else f"-rank{self._rank()}"
+        marker = self.markers / f"{fault.id}{who}"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # fired once already (this is the spare in the victim's place)
+        self._event(
+            "fault_injected",
+            fault=str(fault),
+            rank=self._rank(),
+            pid=os.getpid(),
+            t_fire=time.monotonic(),
+        )
+        logger.warning("injecting %s on rank %d", fault, self._rank())
+        if fault.kind == "kill-node":
+            agent = int(os.environ.get(ENV_AGENT_PID, "0"))
+            if agent <= 1 or os.getppid() != agent:
+                raise RuntimeError(f"{fault} needs a rank started by p2p-run's agent")
+            os.kill(agent, signal.SIGKILL)  # the node's agent; its children die with it
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,183 @@
+"""The user-facing API: ``p2p_state.init_process_group()`` and ``p2p_state.protect()``.
+
+A thin facade over the recovery engine (``recovery``) and the control-plane client
+(``launcher.client``); the data-plane modules of ``p2p_state`` never import either. Everything is
+imported when first called, so ``import p2p_state`` stays light and free of import cycles.
+
+A training script changes by a handful of lines::
+
+    p2p_state.init_process_group()              # instead of dist.init_process_group()
+
+    def build():                                # the model, sharded, and its optimizer
+        model = Transformer(cfg)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        return model, optimizer, CosineAnnealingLR(optimizer, T_max=steps)
+
+    with p2p_state.protect(build, loader=loader, max_steps=steps) as job:
+        for step, batch in job:
+            with job.step():
+                loss = loss_fn(job.model(batch))
+                loss.backward()
+                job.optimizer.step()
+                job.scheduler.step()
+                job.optimizer.zero_grad()
+
+Under ``p2p-run`` a spare process runs the same script: it waits inside
+``init_process_group()`` until it is given a lost rank's place, and ``protect()`` fills its state
+from its peers before its first step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Settings p2p-run passes to the ranks (its flags of the same names).
+ENV_REPLICAS = "P2P_REPLICAS"
+ENV_CHECKPOINT_DIR = "P2P_CHECKPOINT_DIR"
+ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"
+ENV_RESUME = "P2P_RESUME"
+
+_session = None
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    timeout_s: float = 300.0,
+    join_timeout_s: float = 3600.0,
+    warmup: Any = None,
+) -> None:
+    """Join the job's default process group (instead of ``torch.distributed.init_process_group``).
+
+    Under ``p2p-run``: a rank waits until every rank of the job has connected to the
+    coordinator and joins the first generation's group; a hot spare waits here until the
+    coordinator gives it a lost rank's place (and exits with code 0 if the job ends first).
+    Afterwards ``RANK``/``WORLD_SIZE``/``dist.get_rank()`` are this process's place. Without
+    ``p2p-run`` (e.g. under torchrun) this is ``init_process_group`` from the environment, and
+    a lost rank cannot be recovered in place.
+
+    Args:
+        backend: Backend of the default group (default: ``gloo`` on CPU, NCCL for CUDA with
+            gloo beside it).
+        timeout_s: Collective timeout of every group (a last resort: faults interrupt them).
+        join_timeout_s: How long to wait for the first generation, or, for a spare, for a rank.
+        warmup: The factory later given to :func:`protect`. A spare runs it once while it
+            waits (on a private one-rank group) so its first real build costs what a
+            survivor's does: the first ``fully_shard`` and optimizer step of a process take
+            about a second of one-time set-up.
+
+    Raises:
+        RuntimeError: called twice.
+        TimeoutError: no generation in time (names the setting).
+    """
+    global _session
+    import torch
+
+    from launcher import protocol
+    from launcher.client import ClientConfig
+    from recovery.comms import Interrupted
+    from recovery.session import JobEnded, Session
+
+    if _session is not None:
+        raise RuntimeError("p2p_state.init_process_group() was already called in this process")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    client_config = ClientConfig.from_env() if os.environ.get(protocol.ENV_COORDINATOR) else None
+    session = Session(client_config, timeout_s=timeout_s, device_type=device_type, backend=backend)
+    atexit.register(session.close)
+    if client_config is None:
+        session.start_standalone()
+        _session = session
+        return
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if client_config.role == "spare":
+        import recovery.job  # a spare pays for its imports before it is needed
+
+        if warmup is not None:
+            seconds = recovery.job.warm_up(warmup, session.backend)
+            logger.info("spare warmed up in %.2f s", seconds)
+    while True:
+        try:
+            info = session.next_generation(join_timeout_s)
+        except JobEnded as e:
+            if client_config.role == "spare":
+                logger.info("the job ended before this spare was needed")
+                session.close()
+                sys.exit(0)
+            raise SystemExit(e.code or 1) from None
+        try:
+            session.join(info)
+        except Interrupted:
+            continue  # superseded while joining: join the newer generation
+        break
+    rank = info.rank_of(session.identity)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(info.world_size))
+    _session = session
+
+
+def protect(
+    build: Any,
+    *,
+    loader: Any = None,
+    config: Any = None,
+    max_steps: int | None = None,
+):
+    """Wrap a training loop so a lost rank is rebuilt from its peers in place.
+
+    Args:
+        build: Factory returning ``(model, optimizer)`` or ``(model, optimizer, scheduler)``,
+            the model sharded with ``fully_shard``. Called at the start and again after every
+            recovery, on the new process groups (train through ``job.model``,
+            ``job.optimizer`` and ``job.scheduler``, which change after a recovery).
+        loader: A resumable loader such as ``dataload.loader.ResumableLoader`` (its position is
+            carried with every snapshot); ``None`` yields ``(step, None)``.
+        config: A ``recovery.job.RecoveryConfig``. By default it follows p2p-run's
+            ``--replicas``, ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``.
+        max_steps: The last global step (``None``: until the loop is left).
+
+    Returns:
+        A :class:`recovery.job.ProtectedJob` (a context manager; iterate it for the steps).
+    """
+    from recovery.job import ProtectedJob
+
+    if _session is None:
+        raise RuntimeError(
+            "call p2p_state.init_process_group() before p2p_state.protect() (it replaces "
+            "torch.distributed.init_process_group)"
+        )
+    return ProtectedJob(
+        _session, build, loader=loader, config=config or config_from_env(), max_steps=max_steps
+    )
+
+
+def config_from_env():
+    """The :class:`recovery.job.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
+    from p2p_state.config import ReplicationConfig
+    from recovery.checkpoint import CheckpointConfig
+    from recovery.job import RecoveryConfig
+
+    checkpoint = None
+    if os.environ.get(ENV_CHECKPOINT_DIR):
+        checkpoint = CheckpointConfig(
+            root=os.environ[ENV_CHECKPOINT_DIR],
+            every_steps=int(os.environ.get(ENV_CHECKPOINT_EVERY, "1000")),
+        )
+    return RecoveryConfig(
+        replication=ReplicationConfig(k=int(os.environ.get(ENV_REPLICAS, "1"))),
+        checkpoint=checkpoint,
+        resume=os.environ.get(ENV_RESUME) == "1",
+    )
+
+
+def current_session():
+    """The process's :class:`recovery.session.Session` (``None`` before init_process_group)."""
+    return _session

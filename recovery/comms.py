@@ -1,0 +1,269 @@
+"""The communicators of one generation, and how to break them when the generation ends.
+
+Every generation of a job has its own process groups: the default group (training and FSDP)
+and the groups made from it (replication, the cold checkpoint's gloo group). They rendezvous
+through the coordinator's ``TCPStore`` under the generation's own key prefix (``gen<g>/``), so
+no key of a dead generation is ever read again.
+
+When a generation ends (a member died or hung), collectives blocked in its groups must return at
+once, whatever thread they run on. NCCL groups have ``abort()``. Gloo has no abort for an
+operation in flight (pytorch#130345): a blocked gloo operation returns only when a socket of one
+of its pairs fails or its timeout (minutes) expires, and a rank blocked waiting for a *healthy*
+peer that has moved on would wait the whole timeout. So :meth:`Comms.abort` shuts down
+(``shutdown(2)``, not ``close``: the descriptors stay gloo's) every connected TCP socket the
+generation's groups and store client opened. Every operation in flight on them then fails with
+"Connection closed" on this rank and on its peers, and gloo releases the descriptors itself when
+the groups are destroyed. Which sockets belong to a generation is recorded when its groups are
+created: the training thread creates them one at a time under a lock, and the connected TCP
+sockets that appear during each creation are that group's (listening sockets are never touched:
+gloo treats a failed ``accept`` as fatal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: Serialises the creation of sockets whose ownership is recorded (see the module docstring).
+_CREATE_LOCK = threading.Lock()
+
+
+class Interrupted(RuntimeError):
+    """The generation these communicators belong to has ended; its work must be abandoned."""
+
+
+def _tcp_sockets() -> dict[int, tuple[Any, ...]]:
+    """Connected TCP sockets of this process: fd -> (inode, peer address)."""
+    out: dict[int, tuple[Any, ...]] = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.stat(fd)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode):
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.type != socket.SOCK_STREAM:
+                continue
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            out[fd] = (st.st_ino, sock.getpeername())
+        except OSError:
+            continue  # not connected (yet)
+        finally:
+            sock.detach()
+    return out
+
+
+def _shutdown(fd: int, inode: int) -> bool:
+    """Shut down socket ``fd`` if it is still the socket it was (same inode)."""
+    try:
+        if os.stat(fd).st_ino != inode:
+            return False  # the descriptor was closed and reused: not ours any more
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommsSpec:
+    """Where and how one generation's groups are created."""
+
+    generation: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    store_prefix: str
+    backend: str
+    """Default group backend, e.g. ``gloo`` or ``cpu:gloo,cuda:nccl``."""
+    timeout_s: float
+    """Collective timeout of every group (a last resort: faults are normally interrupts)."""
+    ignore_peers: tuple[tuple[str, int], ...] = ()
+    """Peer addresses never treated as a group's socket (the coordinator's control socket)."""
+
+
+@dataclass
+class Comms:
+    """The groups of one generation; create with :func:`create_comms`."""
+
+    spec: CommsSpec
+    default: dist.ProcessGroup | None = None
+    store: dist.Store | None = None
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    """Further groups of this generation by name (:meth:`group`)."""
+    _sockets: dict[int, int] = field(default_factory=dict)  # fd -> inode
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _aborted: bool = False
+    _destroyed: bool = False
+
+    @property
+    def generation(self) -> int:
+        """The generation these groups belong to."""
+        return self.spec.generation
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called."""
+        return self._aborted
+
+    def _track(self, create: Callable[[], Any]) -> Any:
+        """Run ``create`` and record the connected TCP sockets that appeared meanwhile."""
+        if self._aborted:
+            raise Interrupted(f"generation {self.generation} ended before its groups were made")
+        ignore = set(self.spec.ignore_peers)
+        with _CREATE_LOCK:
+            before = _tcp_sockets()
+            try:
+                return create()
+            finally:
+                after = _tcp_sockets()
+                new = {
+                    fd: ino
+                    for fd, (ino, peer) in after.items()
+                    if before.get(fd, (None,))[0] != ino and tuple(peer[:2]) not in ignore
+                }
+                with self._lock:
+                    self._sockets.update(new)
+                    aborted = self._aborted
+                if aborted:  # abort() ran meanwhile and could not see these yet
+                    self._shutdown_all()
+
+    def group(self, name: str, backend: str) -> dist.ProcessGroup:
+        """The generation's group called ``name`` over all its ranks, created on first use.
+
+        Creation is collective: every member must ask for the same groups in the same order.
+        """
+        pg = self.groups.get(name)
+        if pg is None:
+            timeout = timedelta(seconds=self.spec.timeout_s)
+            pg = self._track(lambda: dist.new_group(backend=backend, timeout=timeout))
+            self.groups[name] = pg
+        return pg
+
+    def abort(self) -> None:
+        """Make every collective in flight on these groups fail now. Thread-safe, idempotent."""
+        with self._lock:
+            if self._aborted or self._destroyed:
+                self._aborted = True
+                return
+            self._aborted = True
+        for pg in (self.default, *self.groups.values()):
+            if pg is not None and _has_nccl(pg):
+                try:
+                    pg.abort()
+                except Exception as e:  # an abort that fails must not stop the others
+                    logger.warning("aborting a NCCL group of generation %d: %s", self.generation, e)
+        n = self._shutdown_all()
+        logger.info("generation %d: aborted its groups (%d sockets shut down)", self.generation, n)
+
+    def _shutdown_all(self) -> int:
+        with self._lock:
+            sockets = dict(self._sockets) if not self._destroyed else {}
+        return sum(_shutdown(fd, ino) for fd, ino in sockets.items())
+
+    def destroy(self) -> None:
+        """Destroy every group of this generation (the default group last)."""
+        with self._lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            self._sockets.clear()
+        for pg in self.groups.values():
+            try:
+                dist.destroy_process_group(pg)
+            except Exception as e:
+                logger.debug("destroying a group of generation %d: %s", self.generation, e)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:
+                logger.debug("destroying generation %d's default group: %s", self.generation, e)
+        self.groups.clear()
+        self.default = self.store = None
+
+
+def _has_nccl(pg: dist.ProcessGroup) -> bool:
+    try:
+        return pg._get_backend(torch.device("cuda")).__class__.__name__ == "ProcessGroupNCCL"
+    except Exception:
+        return False
+
+
+def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
+    """Create the default group of one generation (further groups come from :meth:`Comms.group`).
+
+    Collective over the generation's members. ``register`` is called with the :class:`Comms`
+    before anything blocks, so another thread can :meth:`Comms.abort` a rendezvous that waits
+    for a member that died.
+
+    Raises:
+        Interrupted: the comms were aborted during creation.
+        RuntimeError: a group could not be formed within ``spec.timeout_s``.
+    """
+    comms = Comms(spec)
+    register(comms)
+    timeout = timedelta(seconds=spec.timeout_s)
+    t0 = time.perf_counter()
+    try:
+        base = comms._track(
+            lambda: dist.TCPStore(
+                spec.store_host, spec.store_port, is_master=False, timeout=timeout
+            )
+        )
+        comms.store = dist.PrefixStore(spec.store_prefix, base)
+        comms.default = comms._track(
+            lambda: _init_default(comms.store, spec.backend, spec.rank, spec.world_size, timeout)
+        )
+    except Exception as e:
+        if comms.aborted:
+            comms.destroy()
+            raise Interrupted(
+                f"generation {spec.generation} ended while its groups were being formed"
+            ) from e
+        comms.destroy()
+        raise
+    logger.info(
+        "rank %d joined generation %d (%d ranks) in %.0f ms",
+        spec.rank,
+        spec.generation,
+        spec.world_size,
+        (time.perf_counter() - t0) * 1e3,
+    )
+    return comms
+
+
+def _init_default(
+    store: dist.Store, backend: str, rank: int, world_size: int, timeout: timedelta
+) -> dist.ProcessGroup:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return dist.group.WORLD

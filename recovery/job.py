@@ -1,0 +1,660 @@
+"""The protected training loop behind ``p2p_state.protect()``.
+
+A :class:`ProtectedJob` owns what a rank trains with (the model, optimizer and scheduler its
+factory builds, the loader, the replicator of its state and the cold checkpointer) and turns a
+fault into an in-process recovery::
+
+    with p2p_state.protect(build, loader=loader, max_steps=1000) as job:
+        for step, batch in job:            # resumes at the right step after any recovery
+            with job.step():               # a fault inside is turned into a recovery
+                loss = job.model(batch).mean()
+                loss.backward()
+                job.optimizer.step()
+                job.optimizer.zero_grad()
+
+Python cannot re-enter a ``with`` body, so the step guard catches a fault, recovers, and tells the
+iterator to rewind: the next step it yields is the one after the restored step.
+
+Recovery (:meth:`ProtectedJob._recover`) waits for the coordinator's next generation, joins its
+process groups, rebuilds the model, optimizer and scheduler from the factory on the new groups
+(FSDP2 binds its process group when ``fully_shard`` runs, and a step cut short leaves FSDP's
+internal state half-way, so nothing of the old wrapping is reused), restores every member's state
+from the copies the members hold (or from the cold checkpoint when no copy of some shard survives),
+and restarts replication. A fault during recovery starts it again with the next generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from p2p_state.config import ReplicationConfig
+from p2p_state.placement import Placement
+from p2p_state.replicator import ReplicationError, Replicator, state_device
+from p2p_state.state import TrainingState
+from p2p_state.transfer import TransferError
+from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
+from recovery.comms import Interrupted
+from recovery.planner import choose_source
+from recovery.restore import NoSurvivingCopy, describe_gap, gather_copies, restore_from_peers
+from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
+
+logger = logging.getLogger(__name__)
+
+#: Messages of gloo and NCCL errors that mean a peer or a link failed, not a bug in the step.
+_COMM_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Read error",
+    "Write error",
+    "Timed out",
+    "timed out",
+    "NCCL error",
+    "NCCL communicator was aborted",
+    "ProcessGroup",
+    "Socket",
+)
+
+
+class RecoveryFailed(RuntimeError):
+    """The job cannot go on: no copy of some state survives and there is no checkpoint."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecoveryConfig:
+    """How a protected job replicates, checkpoints and recovers."""
+
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    """The data plane: replication factor, interval, memory, chunking, deadlines."""
+    checkpoint: CheckpointConfig | None = None
+    """The cold fallback (DCP every ``every_steps`` steps); ``None``: no periodic checkpoint."""
+    resume: bool = False
+    """Start from the latest complete checkpoint under ``checkpoint.root``."""
+    fault_wait_s: float = 30.0
+    """After a collective fails, how long to wait for the coordinator's new generation before
+    this rank reports itself failed (the coordinator normally answers within milliseconds for a
+    crash and within the heartbeat timeout for a hang)."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every process group. A last resort only: a fault the coordinator sees aborts
+    the groups at once."""
+    emergency_checkpoint_root: str | None = None
+    """Where the checkpoint written when the job must stop (no spare in time) goes when
+    ``checkpoint`` is not set; default ``<run dir>/checkpoints``."""
+
+    def __post_init__(self) -> None:
+        if self.fault_wait_s <= 0:
+            raise ValueError(f"RecoveryConfig.fault_wait_s must be > 0, got {self.fault_wait_s}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"RecoveryConfig.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
+            )
+        if self.resume and self.checkpoint is None:
+            raise ValueError(
+                "RecoveryConfig.resume needs RecoveryConfig.checkpoint (where to resume from)"
+            )
+
+
+@dataclass(slots=True)
+class RecoveryRecord:
+    """One recovery as this rank lived it (also written to the event log)."""
+
+    generation: int
+    cause: str
+    source: str = ""
+    """``peers``, ``checkpoint`` or ``initial``."""
+    step: int = -1
+    """The step the job was restored to."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: interrupt, communicators, build, plan, transfer, restore, replicate."""
+    bytes_received: int = 0
+    started_t: float = 0.0
+
+
+Build = Callable[[], tuple]
+Hook = Callable[..., None]
+
+
+def _capture_rng() -> dict[str, Any]:
+    out = {"torch": torch.get_rng_state(), "random": random.getstate(), "np": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _restore_rng(saved: dict[str, Any]) -> None:
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["random"])
+    np.random.set_state(saved["np"])
+    if "cuda" in saved:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def warm_up(build: Build, backend: str) -> float:
+    """Run the factory once on a private one-rank group, then throw the result away.
+
+    A hot spare does this while it waits for a rank: the first ``fully_shard`` and the first
+    optimizer step of a process cost about a second of one-time set-up, which would otherwise
+    land on the recovery's critical path. The process's RNG states are left as they were.
+
+    Returns:
+        Seconds it took.
+    """
+    t0 = time.perf_counter()
+    rng = _capture_rng()
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        built = build()
+        state = TrainingState(*built[:3])
+        buffer = torch.empty(state.layout.total_bytes, dtype=torch.uint8)
+        state.capture(buffer, 0, {})
+        state.restore(buffer)
+    finally:
+        dist.destroy_process_group()
+        _restore_rng(rng)
+    return time.perf_counter() - t0
+
+
+class ProtectedJob:
+    """A training loop that survives lost ranks; see the module docstring.
+
+    Args:
+        session: This process's membership (``p2p_state.init_process_group()``).
+        build: Factory returning ``(model, optimizer)`` or ``(model, optimizer, scheduler)``,
+            the model sharded with ``fully_shard`` (or DDP, or plain). Called once at the start
+            and again after every recovery, on the new process groups.
+        loader: A resumable loader (``state_dict``/``load_state_dict``/``set_world``/
+            ``next_batch``), or ``None``: the iterator then yields ``(step, None)``.
+        config: Replication, checkpoint and recovery settings.
+        max_steps: Stop after this global step (``None``: until the loop is left).
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        build: Build,
+        *,
+        loader: Any = None,
+        config: RecoveryConfig | None = None,
+        max_steps: int | None = None,
+    ) -> None:
+        if not callable(build):
+            raise TypeError(
+                "protect() takes a factory that builds the sharded model and its optimizer "
+                "(e.g. `def build(): ...; return model, optimizer, scheduler`): after a fault "
+                "they are rebuilt on the new process groups"
+            )
+        self._session = session
+        self._build = build
+        self.loader = loader
+        self.config = config or RecoveryConfig()
+        self.max_steps = max_steps
+        self.user_state: dict[str, Any] = {}
+        """Small msgpack-able values carried with every snapshot and restored with it."""
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.state: TrainingState | None = None
+        self.replicator: Replicator | None = None
+        self.checkpointer: ColdCheckpointer | None = None
+        self.step_done = 0
+        """The last completed step (the iterator yields ``step_done + 1`` next)."""
+        self.recoveries: list[RecoveryRecord] = []
+        self._stores: list[Replicator] = []
+        self._restored_step = -1
+        self._current: int | None = None
+        self._hooks: list[Hook] = []
+        self._first_step_pending: RecoveryRecord | None = None
+        self._initial_rng: dict[str, Any] = {}
+        self._initial_loader: dict[str, Any] | None = None
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current generation."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current generation."""
+        return dist.get_world_size()
+
+    @property
+    def generation(self) -> int:
+        """The membership generation this rank trains in."""
+        info = self._session.info
+        return info.generation if info else 0
+
+    def add_hook(self, hook: Hook) -> None:
+        """Call ``hook(point, **info)`` at: ``built`` (model, optimizer), ``step_begin`` (step),
+        ``replication_chunk`` (step, round, num_rounds; worker thread) and ``recovery_phase``
+        (phase, generation). For fault injection and progress reporting."""
+        self._hooks.append(hook)
+
+    def __enter__(self) -> ProtectedJob:
+        self._initial_rng = _capture_rng()
+        self._initial_loader = self.loader.state_dict() if self.loader is not None else None
+        try:
+            info = self._session.info
+            if info is not None and info.generation > 1:
+                # A spare given a rank, or a rank whose first generation was superseded: every
+                # member of this generation is in the restore protocol.
+                rec = RecoveryRecord(info.generation, "joined the job", started_t=info.arrived_t)
+                self._restore_into(info, rec)
+            else:
+                self._fresh_start()
+        except BaseException as e:
+            if not self._is_fault(e):
+                self._shutdown()
+                raise
+            self._recover(e)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None and self.replicator is not None:
+                self.replicator.flush()
+                if self.checkpointer is not None:
+                    self.checkpointer.wait()
+        finally:
+            self._shutdown()
+        if exc_type is not None and issubclass(exc_type, RecoveryFailed):
+            # The coordinator has the reason and p2p-run reports it; end this rank quietly.
+            logger.error("rank %s: %s", os.environ.get("RANK", "?"), exc)
+            raise SystemExit(1) from None
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        if self._current is not None:
+            raise RuntimeError(
+                f"step {self._current} was not run inside `with job.step():`; wrap each step's "
+                "body in it so a fault can be turned into a recovery"
+            )
+        if self._session.interrupted:
+            self._recover(Interrupted("a new generation arrived between steps"))
+        step = self.step_done + 1
+        if self.max_steps is not None and step > self.max_steps:
+            raise StopIteration
+        batch = self.loader.next_batch() if self.loader is not None else None
+        self._current = step
+        self._call_hooks("step_begin", step=step)
+        return step, batch
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Guard one step's body: a fault inside becomes a recovery and the loop rewinds."""
+        if self._current is None:
+            raise RuntimeError("job.step() belongs inside `for step, batch in job:`")
+        step = self._current
+        try:
+            yield
+            if self._session.interrupted:
+                raise Interrupted("a new generation arrived during the step")
+            self._finish_step(step)
+        except BaseException as e:
+            if not self._is_fault(e):
+                raise
+            self._recover(e)
+        finally:
+            self._current = None
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _extras(self) -> dict[str, Any]:
+        extras: dict[str, Any] = {"user": self.user_state}
+        if self.loader is not None:
+            extras["loader"] = self.loader.state_dict()
+        return extras
+
+    def _apply_extras(self, extras: dict[str, Any]) -> None:
+        self.user_state = dict(extras.get("user", {}))
+        if self.loader is not None:
+            if "loader" in extras:
+                self.loader.load_state_dict(extras["loader"])
+            self.loader.set_world(dist.get_world_size(), dist.get_rank())
+
+    def _finish_step(self, step: int) -> None:
+        self.replicator.replicate(step, self._extras())
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save(step, self._extras())
+        self.step_done = step
+        if len(self._stores) > 1 and self.replicator.committed_step >= self._restored_step:
+            # The new generation's copies cover the restored step everywhere: the old ones
+            # are no longer needed.
+            for old in self._stores[1:]:
+                old.abandon()
+            self._stores = self._stores[:1]
+        if self._first_step_pending is not None:
+            rec = self._first_step_pending
+            self._first_step_pending = None
+            self._session.event(
+                "first_step_done",
+                generation=rec.generation,
+                step=step,
+                since_fault_s=time.monotonic() - rec.started_t,
+            )
+        if dist.get_rank() == 0:
+            self._session.event("step_done", step=step)
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def _build_state(self) -> None:
+        built = self._build()
+        if not isinstance(built, tuple) or len(built) not in (2, 3):
+            raise TypeError(
+                "the factory given to protect() must return (model, optimizer) or "
+                f"(model, optimizer, scheduler), not {type(built).__name__}"
+            )
+        self.model, self.optimizer = built[0], built[1]
+        self.scheduler = built[2] if len(built) == 3 else None
+        self.state = TrainingState(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            blob_capacity=self.config.replication.blob_capacity_bytes,
+        )
+        self._call_hooks("built", model=self.model, optimizer=self.optimizer)
+
+    def _replication_group(self) -> dist.ProcessGroup:
+        _, backend = Replicator.backend_for(self.config.replication, self._device())
+        return self._session.comms.group("replication", backend)
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        return self._session.comms.group("checkpoint", "gloo")
+
+    def _start_replication(self, step: int, extras: dict[str, Any]) -> None:
+        info = self._session.info
+        rep = Replicator(
+            self.state,
+            self.config.replication,
+            generation=info.generation if info else 0,
+            on_replicated=self._on_replicated,
+            progress_hook=self._on_chunk,
+            group=self._replication_group(),
+            placement=self._placement(info),
+        )
+        self.replicator = rep
+        self._stores.insert(0, rep)
+        self._restored_step = step
+        ckpt = self.config.checkpoint
+        self.checkpointer = (
+            ColdCheckpointer(ckpt, self.state, group=self._checkpoint_group()) if ckpt else None
+        )
+        # The restored (or initial) state is replicated first, so a fault before the next step
+        # still finds a copy of every shard.
+        rep.replicate(step, extras)
+        self.step_done = step
+
+    def _fresh_start(self) -> None:
+        self._build_state()
+        step, extras = 0, self._extras()
+        if self.config.resume:
+            ckpt = ColdCheckpointer(
+                self.config.checkpoint, self.state, group=self._checkpoint_group()
+            )
+            step, extras = ckpt.load()
+            self._apply_extras(extras)
+            logger.info("rank %d resumed from the checkpoint of step %d", dist.get_rank(), step)
+        self._start_replication(step, extras)
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def _is_fault(self, exc: BaseException) -> bool:
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, JobEnded, RecoveryFailed)):
+            return False
+        if self._session.standalone:
+            return False  # nobody to recover with: the error stands
+        if self._session.interrupted:
+            return True
+        if isinstance(exc, (Interrupted, ReplicationError, TransferError, dist.DistError)):
+            return True
+        return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_FAILURES)
+
+    def _recover(self, cause: BaseException) -> None:
+        caught_t = time.monotonic()
+        logger.warning("rank %d: fault (%s); recovering", dist.get_rank(), _short(cause))
+        # This generation is over for this rank: break its groups so nothing here (the
+        # replication worker) or at a peer stays blocked on them.
+        if self._session.comms is not None:
+            self._session.comms.abort()
+        for store in self._stores:
+            store.abandon()
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+        while True:
+            try:
+                info = self._session.next_generation(self.config.fault_wait_s)
+            except TimeoutError as e:
+                # Nobody else saw a fault: this rank's own collective failed. Report it so the
+                # coordinator replaces this rank, and leave.
+                self._session.report_failure(f"{_short(cause)}; {e}", fatal=False)
+                self._shutdown()
+                raise RecoveryFailed(str(e)) from cause
+            except JobEnded as e:
+                self._shutdown()
+                raise SystemExit(e.code or 1) from None
+            arrived = self._session.interrupt_time() or info.arrived_t
+            rec = RecoveryRecord(info.generation, _short(cause), started_t=min(arrived, caught_t))
+            # From the coordinator's word to the training thread leaving the step; or, when a
+            # collective failed first, from that failure to the coordinator's word.
+            rec.phases["interrupt"] = max(0.0, caught_t - arrived)
+            rec.phases["wait"] = max(0.0, info.arrived_t - caught_t)
+            try:
+                with self._phase(rec, "communicators"):
+                    self._session.join(info)
+                self._restore_into(info, rec)
+                return
+            except NotAMember:
+                logger.info("this process has no rank in generation %d: leaving", info.generation)
+                self._shutdown()
+                raise SystemExit(0) from None
+            except (RecoveryFailed, JobEnded, SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:
+                if not self._is_fault(e) and not isinstance(e, NoSurvivingCopy):
+                    self._shutdown()
+                    raise
+                logger.warning(
+                    "rank %d: recovery into generation %d failed (%s); waiting for the next",
+                    dist.get_rank(),
+                    info.generation,
+                    _short(e),
+                )
+                self._session.event(
+                    "recovery_abandoned", generation=info.generation, reason=_short(e)
+                )
+                if self._session.comms is not None:
+                    self._session.comms.abort()
+                for store in self._stores:
+                    store.abandon()
+                caught_t = time.monotonic()
+                cause = e
+
+    def _restore_into(self, info: GenerationInfo, rec: RecoveryRecord) -> None:
+        """The restore protocol of one generation; every member runs it together."""
+        rank, world = info.rank_of(self._session.identity), info.world_size
+        rep_cfg = self.config.replication
+        wire = self._wire_device()
+        with self._phase(rec, "plan"):
+            group = self._replication_group()
+            held = gather_copies(self._stores, group, wire, rep_cfg.timeout_s)
+        if choose_source(held, world) is not None:
+            mode = "peers"
+        elif not any(c[2] > 0 for h in held for c in h):
+            # No step was ever replicated: every rank starts again from the initial state.
+            mode = "checkpoint" if self.config.resume else "initial"
+        else:
+            mode = self._fallback_mode(held)
+        with self._phase(rec, "build"):
+            if mode == "initial":
+                _restore_rng(self._initial_rng)
+            self.model = self.optimizer = self.scheduler = self.state = None
+            self._build_state()
+        extras: dict[str, Any]
+        if mode == "peers":
+            outcome = restore_from_peers(
+                self.state,
+                self._stores,
+                held,
+                group,
+                rank,
+                world,
+                memory=self._snapshot_device(),
+                chunk_bytes=rep_cfg.chunk_bytes,
+                timeout_s=rep_cfg.timeout_s,
+                wire_device=wire,
+            )
+            rec.phases["plan"] += outcome.plan_s
+            rec.phases["transfer"] = outcome.transfer_s
+            rec.phases["restore"] = outcome.restore_s
+            rec.bytes_received = outcome.bytes_received
+            step, extras = outcome.step, outcome.extras
+        elif mode == "checkpoint":
+            with self._phase(rec, "restore"):
+                ckpt = ColdCheckpointer(
+                    self.config.checkpoint, self.state, group=self._checkpoint_group()
+                )
+                step, extras = ckpt.load()
+        else:  # nothing was replicated yet: start again from the initial state
+            step = 0
+            extras = {"user": {}, "loader": self._initial_loader} if self.loader else {"user": {}}
+        with self._phase(rec, "data"):
+            self._apply_extras(extras)
+        with self._phase(rec, "replicate"):
+            self._start_replication(step, extras)
+        rec.source, rec.step = mode, step
+        self.recoveries.append(rec)
+        self._first_step_pending = rec
+        self._session.event(
+            "recovery_done",
+            generation=info.generation,
+            rank=rank,
+            world_size=world,
+            restored_from=mode,
+            step=step,
+            phases=rec.phases,
+            bytes_received=rec.bytes_received,
+            cause=rec.cause,
+            started_t=rec.started_t,
+        )
+        logger.warning(
+            "rank %d: restored step %d from %s in generation %d (%s)",
+            rank,
+            step,
+            mode,
+            info.generation,
+            ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in rec.phases.items()),
+        )
+        if info.directive == "checkpoint":
+            self._checkpoint_and_stop(info, step)
+
+    def _fallback_mode(self, held: list[set]) -> str:
+        ckpt = self.config.checkpoint
+        if ckpt is not None and complete_steps(ckpt.root):
+            return "checkpoint"
+        reason = (
+            f"{describe_gap(held)}, and there is no complete checkpoint "
+            f"{'under ' + repr(ckpt.root) if ckpt else '(RecoveryConfig.checkpoint is not set)'}"
+            ": the job cannot continue; raise the replication factor or configure checkpoints"
+        )
+        self._session.report_failure(reason, fatal=True)
+        raise RecoveryFailed(reason)
+
+    def _checkpoint_and_stop(self, info: GenerationInfo, step: int) -> None:
+        root = (
+            self.config.checkpoint.root
+            if self.config.checkpoint
+            else self.config.emergency_checkpoint_root
+            or os.path.join(os.environ.get("P2P_RUN_DIR", "."), "checkpoints")
+        )
+        ckpt = ColdCheckpointer(
+            CheckpointConfig(root=root, async_save=False),
+            self.state,
+            group=self._checkpoint_group(),
+        )
+        ckpt.save(step, self._extras())
+        self._session.event("stop_checkpoint_written", step=step, root=root)
+        logger.error("the job stops: %s; a checkpoint of step %d is in %s", info.reason, step, root)
+        self._shutdown()
+        raise SystemExit(1)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        """Where training runs: the current CUDA device under CUDA, else the CPU."""
+        if self._session.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _wire_device(self) -> torch.device:
+        """Device of small control tensors on the replication group (CUDA under NCCL)."""
+        _, backend = Replicator.backend_for(self.config.replication, self._device())
+        return self._device() if backend == "nccl" else torch.device("cpu")
+
+    def _snapshot_device(self) -> torch.device:
+        kind, _ = Replicator.backend_for(self.config.replication, state_device(self.state))
+        return state_device(self.state) if kind.value == "gpu" else torch.device("cpu")
+
+    def _placement(self, info: GenerationInfo | None) -> Placement | None:
+        """The coordinator's replica map for this generation (the replicator's default if none)."""
+        if info is None or len(info.holders) != info.world_size:
+            return None
+        holders = tuple(tuple(info.holders[r]) for r in range(info.world_size))
+        if any(len(h) != self.config.replication.k for h in holders):
+            raise ValueError(
+                f"the coordinator keeps {len(holders[0])} copies of every shard (p2p-run "
+                f"--replicas) but ReplicationConfig.k is {self.config.replication.k}; make them "
+                "agree"
+            )
+        rpn = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        return Placement(info.world_size, rpn, self.config.replication.k, holders)
+
+    def _on_replicated(self, step: int) -> None:
+        if self._session.client is not None:
+            self._session.client.report_replicated(step)
+
+    def _on_chunk(self, step: int, round_: int, num_rounds: int) -> None:
+        self._call_hooks("replication_chunk", step=step, round=round_, num_rounds=num_rounds)
+
+    def _call_hooks(self, point: str, **info: Any) -> None:
+        for hook in self._hooks:
+            hook(point, **info)
+
+    @contextlib.contextmanager
+    def _phase(self, rec: RecoveryRecord, name: str) -> Iterator[None]:
+        self._call_hooks("recovery_phase", phase=name, generation=rec.generation)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            rec.phases[name] = rec.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def _shutdown(self) -> None:
+        for store in self._stores:
+            store.abandon()
+        self._stores = []
+        self.replicator = None
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+        if self.loader is not None and hasattr(self.loader, "close"):
+            self.loader.close()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{type(exc).__name__}: {text[:200]}"

@@ -1,0 +1,333 @@
+"""A process's membership in a job: generations as they arrive, and the groups of the current one.
+
+A :class:`Session` is created once per process by ``p2p_state.init_process_group()``. It owns the
+control-plane client, keeps the rank map of every generation the coordinator announces, and the
+communicators (:class:`recovery.comms.Comms`) of the generation the process is in. Generations
+arrive on the client's background thread; when one arrives (or the coordinator announces a fault
+and a generation to come), the current generation's groups are aborted at once, so the training
+thread's blocked collectives fail now and recovery can start. The training thread then calls
+:meth:`Session.next_generation` and :meth:`Session.join`.
+
+Without ``p2p-run`` (no ``P2P_*`` environment) a session is *standalone*: it initialises the
+default group from torchrun's environment, has no coordinator and cannot recover from a lost
+process; replication and cold checkpoints still work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from launcher.client import ClientConfig, ControlClient
+from recovery.comms import Comms, CommsSpec, Interrupted, create_comms
+
+logger = logging.getLogger(__name__)
+
+
+class JobEnded(RuntimeError):
+    """The coordinator ended the job (``code`` 0: it finished; otherwise it failed)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"the job ended (code {code}): {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class NotAMember(RuntimeError):
+    """The new generation has no place for this process (it was given back by a resize)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInfo:
+    """One generation as this process sees it (full maps, deltas applied)."""
+
+    generation: int
+    world_size: int
+    ranks: dict[int, str]
+    """rank -> identity."""
+    nodes: dict[int, int]
+    """rank -> node."""
+    lost: tuple[int, ...]
+    replaced: dict[int, tuple[str, str]]
+    committed_step: int
+    store_prefix: str
+    holders: dict[int, tuple[int, ...]]
+    """The coordinator's replica map: rank -> ranks holding a copy of its shard."""
+    directive: str
+    """``train`` (carry on), or ``checkpoint`` (restore, write a cold checkpoint and stop)."""
+    reason: str
+    arrived_t: float
+    """``time.monotonic()`` when it arrived."""
+
+    def rank_of(self, identity: str) -> int | None:
+        """The rank ``identity`` holds in this generation, if any."""
+        for r, i in self.ranks.items():
+            if i == identity:
+                return r
+        return None
+
+
+def default_backend(device_type: str) -> str:
+    """The default group's backend: NCCL for CUDA collectives (gloo beside it for CPU ones)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+class Session:
+    """This process's view of the job; see the module docstring.
+
+    Args:
+        client_config: How to reach the coordinator; ``None`` for a standalone session.
+        timeout_s: Collective timeout of every group (a last resort; faults interrupt).
+        device_type: ``cuda`` or ``cpu``: which backends the groups use.
+        backend: The default group's backend (default :func:`default_backend`).
+    """
+
+    def __init__(
+        self,
+        client_config: ClientConfig | None,
+        *,
+        timeout_s: float,
+        device_type: str,
+        backend: str | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.device_type = device_type
+        self.backend = backend or default_backend(device_type)
+        self.comms: Comms | None = None
+        self.info: GenerationInfo | None = None
+        """The generation this process is in (joined), if any."""
+        self._cond = threading.Condition()
+        self._generations: dict[int, GenerationInfo] = {}
+        self._latest = 0
+        self._notice: dict[str, Any] | None = None
+        self._shutdown: dict[str, Any] | None = None
+        self.client: ControlClient | None = None
+        if client_config is not None:
+            start_rank = int(os.environ["RANK"]) if client_config.role == "rank" else None
+            self.client = ControlClient(
+                client_config,
+                rank=start_rank,
+                on_generation=self._on_generation,
+                on_shutdown=self._on_shutdown,
+                on_interrupt=self._on_interrupt,
+            )
+
+    @property
+    def identity(self) -> str:
+        """This process's control-plane identity."""
+        return self.client.config.identity if self.client else f"rank/{dist.get_rank()}"
+
+    @property
+    def standalone(self) -> bool:
+        """No coordinator: a lost process cannot be recovered in place."""
+        return self.client is None
+
+    # -- the client thread ---------------------------------------------------------------------
+
+    def _on_generation(self, body: dict[str, Any]) -> None:
+        now = time.monotonic()
+        with self._cond:
+            g = int(body["generation"])
+            prev = self._generations.get(self._latest)
+            ranks = {} if body.get("full", True) or prev is None else dict(prev.ranks)
+            nodes = {} if body.get("full", True) or prev is None else dict(prev.nodes)
+            holders = {} if body.get("full", True) or prev is None else dict(prev.holders)
+            ranks.update({int(r): str(i) for r, i in body["ranks"].items()})
+            nodes.update({int(r): int(n) for r, n in body["nodes"].items()})
+            holders.update({int(r): tuple(int(x) for x in h) for r, h in body["holders"].items()})
+            world = int(body["world_size"])
+            self._generations[g] = GenerationInfo(
+                generation=g,
+                world_size=world,
+                ranks={r: i for r, i in ranks.items() if r < world},
+                nodes={r: n for r, n in nodes.items() if r < world},
+                lost=tuple(int(r) for r in body.get("lost", ())),
+                replaced={int(r): (str(a), str(b)) for r, (a, b) in body["replaced"].items()},
+                committed_step=int(body.get("committed_step", -1)),
+                store_prefix=str(body["store_prefix"]),
+                holders={r: h for r, h in holders.items() if r < world},
+                directive=str(body.get("directive", "train")),
+                reason=str(body.get("reason", "")),
+                arrived_t=now,
+            )
+            self._latest = max(self._latest, g)
+            self._cond.notify_all()
+        self._abort_older_than(g)
+
+    def _on_interrupt(self, body: dict[str, Any]) -> None:
+        with self._cond:
+            self._notice = dict(body, arrived_t=time.monotonic())
+            self._cond.notify_all()
+        self._abort_older_than(int(body.get("generation", 0)) + 1)
+
+    def _on_shutdown(self, body: dict[str, Any]) -> None:
+        with self._cond:
+            self._shutdown = body
+            self._cond.notify_all()
+        self._abort_older_than(1 << 62)
+
+    def _abort_older_than(self, generation: int) -> None:
+        comms = self.comms
+        if comms is not None and comms.generation < generation:
+            comms.abort()
+
+    # -- the training thread -------------------------------------------------------------------
+
+    @property
+    def interrupted(self) -> bool:
+        """A newer generation, a fault notice or the end of the job is waiting."""
+        with self._cond:
+            return self._pending_locked() is not None
+
+    def _pending_locked(self) -> str | None:
+        current = self.info.generation if self.info else 0
+        if self._shutdown is not None:
+            return "shutdown"
+        if self._latest > current:
+            return "generation"
+        if self._notice is not None and int(self._notice.get("generation", 0)) >= current > 0:
+            return "notice"
+        return None
+
+    def interrupt_time(self) -> float | None:
+        """When the pending interruption arrived (``time.monotonic()``), if there is one."""
+        with self._cond:
+            kind = self._pending_locked()
+            if kind == "generation":
+                return self._generations[self._latest].arrived_t
+            if kind == "notice":
+                return float(self._notice["arrived_t"])
+            return None
+
+    def next_generation(self, timeout_s: float) -> GenerationInfo:
+        """Wait for a generation newer than the current one.
+
+        A fault notice from the coordinator (a rank was lost and a spare is awaited) extends
+        the wait by the time it announces.
+
+        Raises:
+            JobEnded: the coordinator ended the job.
+            TimeoutError: nothing arrived in time (names ``timeout_s``'s setting).
+        """
+        assert self.client is not None, "a standalone session has no generations to wait for"
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._shutdown is not None:
+                    raise JobEnded(
+                        int(self._shutdown.get("code", 1)), str(self._shutdown.get("reason"))
+                    )
+                current = self.info.generation if self.info else 0
+                if self._latest > current:
+                    return self._generations[self._latest]
+                if self._notice is not None:
+                    deadline = max(
+                        deadline,
+                        float(self._notice["arrived_t"]) + float(self._notice.get("wait_s", 0)),
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"{self.identity}: no new generation from the coordinator within "
+                        f"{timeout_s:.0f}s after a failure (RecoveryConfig.fault_wait_s)"
+                    )
+                self._cond.wait(remaining)
+
+    def join(self, info: GenerationInfo) -> Comms:
+        """Leave the current generation's groups and form ``info``'s; acknowledge it.
+
+        Raises:
+            NotAMember: ``info`` has no rank for this process.
+            Interrupted: a newer generation arrived meanwhile.
+        """
+        rank = info.rank_of(self.identity)
+        if rank is None:
+            raise NotAMember(f"{self.identity} has no rank in generation {info.generation}")
+        if self.comms is not None:
+            self.comms.abort()
+            self.comms.destroy()
+            self.comms = None
+        host, port = self.client.store_address(self.timeout_s)
+        spec = CommsSpec(
+            generation=info.generation,
+            rank=rank,
+            world_size=info.world_size,
+            store_host=host,
+            store_port=port,
+            store_prefix=info.store_prefix,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            ignore_peers=(_address(self.client.config.coordinator),),
+        )
+        comms = create_comms(spec, self._register)
+        with self._cond:
+            self.info = info
+            if (
+                self._notice is not None
+                and int(self._notice.get("generation", 0)) < info.generation
+            ):
+                self._notice = None
+        self.client.ack(info.generation)
+        if self.interrupted:  # superseded while forming: the abort already broke these groups
+            raise Interrupted(f"generation {info.generation} was superseded while joining it")
+        return comms
+
+    def _register(self, comms: Comms) -> None:
+        self.comms = comms
+        with self._cond:
+            superseded = self._latest > comms.generation or self._shutdown is not None
+        if superseded:
+            comms.abort()
+
+    def start_standalone(self) -> None:
+        """Initialise the default group from torchrun's environment (no coordinator)."""
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=timedelta(seconds=self.timeout_s))
+        spec = CommsSpec(
+            generation=0,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            store_host="",
+            store_port=0,
+            store_prefix="",
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
+        self.comms = Comms(spec, default=dist.group.WORLD)
+
+    def report_failure(self, reason: str, *, fatal: bool) -> None:
+        """Tell the coordinator this rank failed (it is replaced) or the job cannot go on."""
+        if self.client is not None:
+            self.client.report_error(reason, fatal=fatal)
+
+    def event(self, name: str, **fields: Any) -> None:
+        """An event for the job's log (nothing in a standalone session)."""
+        if self.client is not None:
+            self.client.event(name, **fields)
+
+    def close(self) -> None:
+        """Destroy the groups and stop the control-plane client."""
+        if self.comms is not None:
+            self.comms.destroy()
+            self.comms = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def _address(host_port: str) -> tuple[str, int]:
+    host, _, port = host_port.rpartition(":")
+    return host, int(port)
+
+
+def device_type_of_job() -> str:
+    """``cuda`` when this process has a GPU to train on, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
