@@ -150,6 +150,10 @@ class ControlClient:
         """Append an event to the job's event log (source: this process's identity)."""
         self.events.write(name, **fields)
 
+    def report_done(self) -> None:
+        """Tell the coordinator this rank completed its training and is about to exit."""
+        self._post(protocol.DONE, {})
+
     def ack(self, generation: int) -> None:
         """Acknowledge a generation (after this rank has joined it)."""
         self._post(protocol.ACK, {"generation": int(generation)}, generation)
@@ -249,18 +253,22 @@ class ControlClient:
                         self._receive(sock)
                     else:
                         os.read(self._wake_r, 4096)
-                while True:
-                    try:
-                        type_, body, gen = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    sock.send_multipart(self._codec.encode(type_, body, gen))
+                self._flush(sock)
                 if time.monotonic() >= next_beat:
                     sock.send_multipart(self._codec.encode(protocol.HEARTBEAT))
                     next_beat = time.monotonic() + self.config.heartbeat_interval_s
+            self._flush(sock)  # what was queued before close() still goes out
         finally:
             sock.close(linger=500)
             ctx.term()
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                type_, body, gen = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            sock.send_multipart(self._codec.encode(type_, body, gen))
 
     def _receive(self, sock: zmq.Socket) -> None:
         for msg in self._codec.drain(sock):

@@ -200,6 +200,8 @@ class Coordinator:
             self._apply(self.membership.hello(proc, None if rank is None else int(rank), now))
         elif msg.type == protocol.HEARTBEAT:
             pass
+        elif msg.type == protocol.DONE:
+            self._apply(self.membership.report_done(msg.sender))
         elif msg.type == protocol.REPLICATED:
             self._apply(self.membership.report_replicated(msg.sender, int(body["step"])))
         elif msg.type == protocol.ERROR:
@@ -250,6 +252,9 @@ class Coordinator:
                     {"identity": action.identity, "pid": action.pid, "reason": action.reason},
                 )
             elif isinstance(action, Interrupt):
+                self.events.write(
+                    "interrupt_sent", generation=action.generation, lost=list(action.lost)
+                )
                 body = {
                     "generation": action.generation,
                     "lost": list(action.lost),

@@ -53,6 +53,8 @@ class Generation:
     reason: str = ""
     renumbered: bool = False
     """Ranks moved or the world size changed: every member needs the full maps."""
+    ack_timeout_s: float = 10.0
+    """How long members have to acknowledge it (they bound their joining by half of it)."""
 
     def to_body(self, full: bool = True) -> dict[str, Any]:
         """msgpack-able form (map keys become strings).
@@ -66,6 +68,7 @@ class Generation:
         return {
             "directive": self.directive,
             "reason": self.reason,
+            "ack_timeout_s": self.ack_timeout_s,
             "generation": self.generation,
             "world_size": self.world_size,
             "full": full,
@@ -182,6 +185,12 @@ class Membership:
         self.last_seen: dict[str, float] = {}
         self.replicated: dict[int, int] = {}
         self.finished: set[int] = set()
+        self.done: set[str] = set()
+        """Ranks that completed their training and are leaving (no heartbeat deadline)."""
+        self.failed_after_done: list[str] = []
+        """Ranks that failed once others had completed: the job's end reports them."""
+        self.assigned: dict[int, list[str]] = {}
+        """Ranks given to spares whose generation has not started yet: rank -> [old, new]."""
         self.pending: Generation | None = None
         self.acks: set[str] = set()
         self.awaiting: set[str] = set()
@@ -241,8 +250,31 @@ class Membership:
 
     def heartbeat(self, identity: str, now: float) -> None:
         """A sign of life."""
-        if identity in self.procs:
+        if identity in self.procs and identity not in self.done:
             self.last_seen[identity] = now
+
+    def report_done(self, identity: str) -> list[Any]:
+        """A rank completed its training and is about to exit: stop watching its heartbeats."""
+        rank = self.rank_of(identity)
+        if rank is None or identity in self.done:
+            return []
+        self.done.add(identity)
+        self.last_seen.pop(identity, None)
+        return [Event("rank_done", {"rank": rank, "identity": identity})]
+
+    def _finish(self, rank: int, identity: str, failure: str | None = None) -> list[Any]:
+        self.finished.add(rank)
+        out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
+        if failure is not None:
+            self.failed_after_done.append(f"rank {rank} {failure}")
+        if len(self.finished) == self.config.world_size:
+            if self.failed_after_done:
+                out += self._end(
+                    1, "the training completed, but " + "; ".join(self.failed_after_done)
+                )
+            else:
+                out += self._end(0, "every rank finished")
+        return out
 
     def report_replicated(self, identity: str, step: int) -> list[Any]:
         """A rank finished replicating ``step``; the committed step may advance."""
@@ -272,20 +304,15 @@ class Membership:
                     f"rank {rank} ({identity}) exited with code {code} and does not use the "
                     "engine, so it cannot be recovered in process",
                 )
-            self.finished.add(rank)
-            out = [Event("rank_finished", {"rank": rank, "identity": identity})]
-            if len(self.finished) == self.config.world_size:
-                out += self._end(0, "every rank finished")
-            return out
+            return self._finish(rank, identity)
         rank = self.rank_of(identity)
         if self.stopping is not None:
             return self._stopped_one(identity)
-        if code == 0 and rank is not None:
-            self.finished.add(rank)
-            out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
-            if len(self.finished) == self.config.world_size:
-                out += self._end(0, "every rank finished")
-            return out
+        if rank is not None and (code == 0 or identity in self.done):
+            self.procs.pop(identity, None)
+            self.last_seen.pop(identity, None)
+            self.gone.add(identity)
+            return self._finish(rank, identity, None if code == 0 else f"exited with code {code}")
         return self.fault(identity, f"exited with code {code}", now)
 
     def fault(self, identity: str, reason: str, now: float) -> list[Any]:
@@ -319,6 +346,9 @@ class Membership:
         rank = self.rank_of(identity)
         if rank is None or rank in self.finished:
             return out
+        if self.done:
+            # Others completed the training and are leaving: there is no job left to rejoin.
+            return out + self._finish(rank, identity, f"was lost ({reason})")
         del self.ranks[rank]
         if not self.vacant:
             self.vacant_since = now
@@ -380,19 +410,19 @@ class Membership:
         if self.stopping is not None:
             return []
         out: list[Any] = []
-        replaced: dict[int, list[str]] = {}
         for rank in sorted(self.vacant):
             if not self.spares:
                 out.append(Event("waiting_for_spare", {"rank": rank}))
                 continue
             spare = self.spares.pop(0)
             self.ranks[rank] = spare
-            replaced[rank] = [self.vacant[rank], spare]
+            self.assigned[rank] = [self.vacant.pop(rank), spare]
             out.append(Event("spare_assigned", {"rank": rank, "identity": spare}))
             out.append(SpawnSpare(self.procs[spare].node))
-        for rank in replaced:
-            del self.vacant[rank]
-        if replaced and not self.vacant:
+        if self.assigned and not self.vacant:
+            # Every vacancy has its spare: one generation with every replacement made since
+            # the last one (spares may have arrived one by one).
+            replaced, self.assigned = self.assigned, {}
             out += self._new_generation(lost=sorted(replaced), replaced=replaced, now=now)
         fresh = sorted(set(self.vacant) - self.notified)
         if fresh and self.ranks:
@@ -422,6 +452,7 @@ class Membership:
         self.ranks = dict(enumerate(survivors))
         lost = sorted(self.vacant)
         self.vacant.clear()
+        self.assigned.clear()
         out = [Event("job_stopping", {"reason": reason, "survivors": len(survivors)})]
         out += self._new_generation(
             lost=lost, replaced={}, now=now, directive="checkpoint", reason=reason
@@ -462,6 +493,7 @@ class Membership:
             directive=directive,
             reason=reason,
             renumbered=world != self.config.world_size,
+            ack_timeout_s=self.config.ack_timeout_s,
         )
         superseded = self.pending
         self.pending = gen

@@ -55,6 +55,7 @@ HEARTBEAT = "heartbeat"
 REPLICATED = "replicated"  # rank: {"step"}
 ERROR = "error"  # rank: {"reason"} (a collective failed or timed out)
 ACK = "ack"  # rank/spare: {"generation"}
+DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now)
 EXITED = "exited"  # agent: {"identity", "pid", "code"}
 GENERATION = "generation"  # coordinator -> ranks and assigned spares (see launcher.client)
 KILL = "kill"  # coordinator -> agent: {"identity", "pid", "reason"}
@@ -71,6 +72,7 @@ TYPES = frozenset(
         REPLICATED,
         ERROR,
         ACK,
+        DONE,
         EXITED,
         GENERATION,
         KILL,

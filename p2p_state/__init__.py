@@ -19,20 +19,53 @@ Typical use inside a training loop (every rank)::
         replicator.replicate(step, extras={"sampler_offset": offset})
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from p2p_state.api import init_process_group, protect
-from p2p_state.config import ReplicationConfig
-from p2p_state.layout import LayoutMismatchError, StateLayout, TensorEntry
-from p2p_state.memory import InsufficientMemoryError, MemoryKind
 from p2p_state.placement import Placement, place
-from p2p_state.replicator import (
-    ReplicaCorruptError,
-    ReplicaInfo,
-    ReplicationError,
-    Replicator,
-    RoundStats,
-)
-from p2p_state.snapshot import SnapshotHeader
-from p2p_state.state import TrainingState
+
+#: Where each public name lives. They are imported on first use, so the control plane (which
+#: needs only :func:`place`) starts without importing torch.
+_EXPORTS = {
+    "ReplicationConfig": "p2p_state.config",
+    "LayoutMismatchError": "p2p_state.layout",
+    "StateLayout": "p2p_state.layout",
+    "TensorEntry": "p2p_state.layout",
+    "InsufficientMemoryError": "p2p_state.memory",
+    "MemoryKind": "p2p_state.memory",
+    "ReplicaCorruptError": "p2p_state.replicator",
+    "ReplicaInfo": "p2p_state.replicator",
+    "ReplicationError": "p2p_state.replicator",
+    "Replicator": "p2p_state.replicator",
+    "RoundStats": "p2p_state.replicator",
+    "SnapshotHeader": "p2p_state.snapshot",
+    "TrainingState": "p2p_state.state",
+}
+
+if TYPE_CHECKING:
+    from p2p_state.config import ReplicationConfig
+    from p2p_state.layout import LayoutMismatchError, StateLayout, TensorEntry
+    from p2p_state.memory import InsufficientMemoryError, MemoryKind
+    from p2p_state.replicator import (
+        ReplicaCorruptError,
+        ReplicaInfo,
+        ReplicationError,
+        Replicator,
+        RoundStats,
+    )
+    from p2p_state.snapshot import SnapshotHeader
+    from p2p_state.state import TrainingState
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'p2p_state' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "InsufficientMemoryError",

@@ -85,39 +85,50 @@ def init_process_group(
     from launcher import protocol
     from launcher.client import ClientConfig
     from recovery.comms import Interrupted
-    from recovery.session import JobEnded, Session
+    from recovery.session import JobEnded, NotAMember, Session
 
     if _session is not None:
         raise RuntimeError("p2p_state.init_process_group() was already called in this process")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     client_config = ClientConfig.from_env() if os.environ.get(protocol.ENV_COORDINATOR) else None
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if client_config is not None and client_config.role == "spare":
+        # A spare joins the pool only once it is warm: what it needs before its first step
+        # costs nothing on the recovery's critical path.
+        from recovery.job import warm_up
+        from recovery.session import default_backend
+
+        if warmup is not None:
+            seconds = warm_up(warmup, backend or default_backend(device_type))
+            logger.info("spare warmed up in %.2f s", seconds)
     session = Session(client_config, timeout_s=timeout_s, device_type=device_type, backend=backend)
     atexit.register(session.close)
     if client_config is None:
         session.start_standalone()
         _session = session
         return
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if client_config.role == "spare":
-        import recovery.job  # a spare pays for its imports before it is needed
-
-        if warmup is not None:
-            seconds = recovery.job.warm_up(warmup, session.backend)
-            logger.info("spare warmed up in %.2f s", seconds)
+    tried = 0
     while True:
         try:
-            info = session.next_generation(join_timeout_s)
+            info = session.next_generation(join_timeout_s, after=tried)
         except JobEnded as e:
             if client_config.role == "spare":
                 logger.info("the job ended before this spare was needed")
                 session.close()
                 sys.exit(0)
             raise SystemExit(e.code or 1) from None
+        tried = info.generation
         try:
             session.join(info)
-        except Interrupted:
-            continue  # superseded while joining: join the newer generation
+        except NotAMember:
+            logger.warning("generation %d has no rank for %s", info.generation, session.identity)
+            continue
+        except (Interrupted, RuntimeError) as e:
+            # The generation could not form (superseded, or a member died meanwhile): the
+            # coordinator's next one follows; a process that never acknowledges is replaced.
+            logger.warning("could not join generation %d: %s", info.generation, e)
+            continue
         break
     rank = info.rank_of(session.identity)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(info.world_size))

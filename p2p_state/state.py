@@ -385,6 +385,24 @@ class TrainingState:
         rng = {name: t.cpu().numpy().tobytes() for name, t in self._rng_entries()}
         return msgpack.packb({"rng": rng, "blob": self._blob(step, extras or {})})
 
+    @staticmethod
+    def small_state_of(layout: StateLayout, buffer: torch.Tensor) -> bytes:
+        """:meth:`small_state` of the rank whose snapshot (of ``layout``) ``buffer`` holds.
+
+        How a survivor checkpoints the RNG, schedule and extras of a rank it holds a copy of.
+        """
+        rng = {
+            e.name: buffer[e.offset : e.end].cpu().numpy().tobytes()
+            for e in layout.entries
+            if e.name.startswith("rng/")
+        }
+        region = buffer[layout.blob_offset : layout.blob_offset + layout.blob_capacity].cpu()
+        n = int.from_bytes(bytes(region[:_BLOB_LEN_BYTES].tolist()), "little")
+        if not 0 < n <= layout.blob_capacity - _BLOB_LEN_BYTES:
+            raise ValueError(f"corrupt snapshot: blob length {n}")
+        blob = region[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + n].numpy().tobytes()
+        return msgpack.packb({"rng": rng, "blob": blob})
+
     def load_small_state(self, data: bytes) -> tuple[int, dict[str, Any]]:
         """Apply :meth:`small_state`; returns ``(step, extras)``."""
         doc = msgpack.unpackb(data, raw=False)

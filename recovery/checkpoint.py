@@ -117,30 +117,26 @@ class ColdCheckpointer:
     def _path(self, step: int) -> str:
         return f"{self.config.root.rstrip('/')}/step-{step:09d}"
 
-    def _state_dict(self, step: int | None = None, extras: Any = None) -> dict[str, Any]:
+    def _state_dict(
+        self,
+        step: int | None = None,
+        extras: Any = None,
+        rank_states: dict[int, bytes] | None = None,
+        world_size: int | None = None,
+    ) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(
             self.state.model,
             [self.state.optimizer] if self.state.optimizer is not None else [],
             options=StateDictOptions(),
         )
-        small = torch.zeros(_SMALL_STATE_BYTES, dtype=torch.uint8)
-        if step is not None:
-            data = self.state.small_state(step, extras)
-            if len(data) + 4 > _SMALL_STATE_BYTES:
-                raise ValueError(
-                    f"the per-rank checkpoint document needs {len(data)} bytes, more than "
-                    f"{_SMALL_STATE_BYTES}; keep the extras small"
-                )
-            small[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
-            small[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         rank = dist.get_rank(self.group)
-        world = torch.tensor([dist.get_world_size(self.group)], dtype=torch.int64)
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            f"rank_state/{rank}": small,
-            "meta/world_size": world,
-        }
+        if rank_states is None:
+            rank_states = {rank: self.state.small_state(step, extras) if step is not None else b""}
+        world = torch.tensor([world_size or dist.get_world_size(self.group)], dtype=torch.int64)
+        sd = {"model": model_sd, "optim": optim_sd, "meta/world_size": world}
+        for r, data in rank_states.items():
+            sd[f"rank_state/{r}"] = _pack_small(data)
+        return sd
 
     def maybe_save(self, step: int, extras: Any = None) -> bool:
         """Save if ``step`` is a multiple of ``every_steps``; returns whether it did."""
@@ -149,10 +145,26 @@ class ColdCheckpointer:
         self.save(step, extras)
         return True
 
-    def save(self, step: int, extras: Any = None) -> None:
-        """Checkpoint the current state as ``step`` (collective)."""
+    def save(
+        self,
+        step: int,
+        extras: Any = None,
+        *,
+        rank_states: dict[int, bytes] | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """Checkpoint the current state as ``step`` (collective).
+
+        Args:
+            step: The step the state stands for.
+            extras: This rank's extras (stored with its RNG and schedule).
+            rank_states: Per-rank documents (:meth:`TrainingState.small_state`) by the rank
+                they belong to, when this rank writes others' too (a smaller world saving
+                the state of a larger one); default: its own.
+            world_size: The world the per-rank documents belong to (default: this group's).
+        """
         self.wait()
-        sd = self._state_dict(step, extras)
+        sd = self._state_dict(step, extras, rank_states, world_size)
         if self.config.async_save:
             result = dcp.async_save(sd, checkpoint_id=self._path(step), process_group=self.group)
             self._pending = getattr(result, "upload_completion", result)
@@ -215,9 +227,8 @@ class ColdCheckpointer:
         dcp.load(meta, checkpoint_id=path, process_group=self.group)
         saved_world = int(meta["meta/world_size"].item())
         rank = dist.get_rank(self.group)
-        sd = self._state_dict()
+        sd = self._state_dict(rank_states={})
         source_rank = rank % saved_world
-        sd.pop(f"rank_state/{rank}")
         sd[f"rank_state/{source_rank}"] = torch.zeros(_SMALL_STATE_BYTES, dtype=torch.uint8)
         sd.pop("meta/world_size")
         dcp.load(sd, checkpoint_id=path, process_group=self.group)
@@ -232,3 +243,17 @@ class ColdCheckpointer:
         loaded_step, extras = self.state.load_small_state(small[4 : 4 + n].numpy().tobytes())
         logger.info("loaded checkpoint of step %d from %s", loaded_step, path)
         return loaded_step, extras
+
+
+def _pack_small(data: bytes) -> torch.Tensor:
+    """A per-rank document, length-prefixed in a fixed-size ``uint8`` tensor."""
+    if len(data) + 4 > _SMALL_STATE_BYTES:
+        raise ValueError(
+            f"the per-rank checkpoint document needs {len(data)} bytes, more than "
+            f"{_SMALL_STATE_BYTES}; keep the extras small"
+        )
+    small = torch.zeros(_SMALL_STATE_BYTES, dtype=torch.uint8)
+    small[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    if data:
+        small[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return small

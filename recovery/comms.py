@@ -106,6 +106,11 @@ class CommsSpec:
     """Default group backend, e.g. ``gloo`` or ``cpu:gloo,cuda:nccl``."""
     timeout_s: float
     """Collective timeout of every group (a last resort: faults are normally interrupts)."""
+    join_timeout_s: float = 60.0
+    """Deadline for forming a group. Gloo keeps retrying to connect to a member that died
+    after it published its address, and that retry cannot be interrupted: this bounds it. It
+    must be shorter than the coordinator's acknowledgement deadline, so a member stuck in a
+    dead generation gets out in time to join the next one."""
     ignore_peers: tuple[tuple[str, int], ...] = ()
     """Peer addresses never treated as a group's socket (the coordinator's control socket)."""
 
@@ -163,8 +168,9 @@ class Comms:
         """
         pg = self.groups.get(name)
         if pg is None:
-            timeout = timedelta(seconds=self.spec.timeout_s)
-            pg = self._track(lambda: dist.new_group(backend=backend, timeout=timeout))
+            join = timedelta(seconds=self.spec.join_timeout_s)
+            pg = self._track(lambda: dist.new_group(backend=backend, timeout=join))
+            pg.set_timeout(timedelta(seconds=self.spec.timeout_s))
             self.groups[name] = pg
         return pg
 
@@ -230,18 +236,17 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     """
     comms = Comms(spec)
     register(comms)
-    timeout = timedelta(seconds=spec.timeout_s)
+    join = timedelta(seconds=spec.join_timeout_s)
     t0 = time.perf_counter()
     try:
         base = comms._track(
-            lambda: dist.TCPStore(
-                spec.store_host, spec.store_port, is_master=False, timeout=timeout
-            )
+            lambda: dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=join)
         )
         comms.store = dist.PrefixStore(spec.store_prefix, base)
         comms.default = comms._track(
-            lambda: _init_default(comms.store, spec.backend, spec.rank, spec.world_size, timeout)
+            lambda: _init_default(comms.store, spec.backend, spec.rank, spec.world_size, join)
         )
+        comms.default.set_timeout(timedelta(seconds=spec.timeout_s))
     except Exception as e:
         if comms.aborted:
             comms.destroy()
@@ -264,6 +269,13 @@ def _init_default(
     store: dist.Store, backend: str, rank: int, world_size: int, timeout: timedelta
 ) -> dist.ProcessGroup:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # also restarts the group-name counter
+    else:
+        # Every member must name its groups alike (the names key the rendezvous), and a failed
+        # init_process_group used up a name without leaving a group to destroy: restart the
+        # counter as destroy_process_group() does for recovering trainers.
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return dist.group.WORLD

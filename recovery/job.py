@@ -45,8 +45,14 @@ from p2p_state.state import TrainingState
 from p2p_state.transfer import TransferError
 from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
 from recovery.comms import Interrupted
-from recovery.planner import choose_source
-from recovery.restore import NoSurvivingCopy, describe_gap, gather_copies, restore_from_peers
+from recovery.planner import choose_source, shard_layout
+from recovery.restore import (
+    NoSurvivingCopy,
+    describe_gap,
+    find_copy,
+    gather_copies,
+    restore_from_peers,
+)
 from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,10 @@ _COMM_FAILURES = (
 
 class RecoveryFailed(RuntimeError):
     """The job cannot go on: no copy of some state survives and there is no checkpoint."""
+
+
+class ConfigurationError(ValueError):
+    """The job is set up in a way it cannot run; the message names the fix."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +226,7 @@ class ProtectedJob:
         self._hooks: list[Hook] = []
         self._first_step_pending: RecoveryRecord | None = None
         self._initial_rng: dict[str, Any] = {}
+        self._source = None
         self._initial_loader: dict[str, Any] | None = None
 
     # -- public --------------------------------------------------------------------------------
@@ -254,6 +265,12 @@ class ProtectedJob:
                 self._restore_into(info, rec)
             else:
                 self._fresh_start()
+        except ConfigurationError as e:
+            # A user mistake: one line from p2p-run (the coordinator ends the job with it).
+            self._session.report_failure(str(e), fatal=True)
+            self._shutdown()
+            logger.error("%s", e)
+            raise SystemExit(2) from None
         except BaseException as e:
             if not self._is_fault(e):
                 self._shutdown()
@@ -264,14 +281,17 @@ class ProtectedJob:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if exc_type is None and self.replicator is not None:
+                # The last round's commit is a barrier: every rank completed every step.
                 self.replicator.flush()
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
+                if self._session.client is not None:
+                    self._session.client.report_done()
         finally:
             self._shutdown()
         if exc_type is not None and issubclass(exc_type, RecoveryFailed):
             # The coordinator has the reason and p2p-run reports it; end this rank quietly.
-            logger.error("rank %s: %s", os.environ.get("RANK", "?"), exc)
+            logger.error("%s: %s", self._session.identity, exc)
             raise SystemExit(1) from None
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
@@ -399,6 +419,13 @@ class ProtectedJob:
         self.step_done = step
 
     def _fresh_start(self) -> None:
+        ckpt = self.config.checkpoint
+        if ckpt is not None and not self.config.resume and complete_steps(ckpt.root):
+            raise ConfigurationError(
+                f"the checkpoint directory {ckpt.root} already holds checkpoints of steps "
+                f"{complete_steps(ckpt.root)}: resume from them (p2p-run --resume) or give "
+                "this job an empty directory"
+            )
         self._build_state()
         step, extras = 0, self._extras()
         if self.config.resume:
@@ -425,7 +452,7 @@ class ProtectedJob:
 
     def _recover(self, cause: BaseException) -> None:
         caught_t = time.monotonic()
-        logger.warning("rank %d: fault (%s); recovering", dist.get_rank(), _short(cause))
+        logger.warning("%s: fault (%s); recovering", self._session.identity, _short(cause))
         # This generation is over for this rank: break its groups so nothing here (the
         # replication worker) or at a peer stays blocked on them.
         if self._session.comms is not None:
@@ -435,9 +462,10 @@ class ProtectedJob:
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None
+        tried = 0
         while True:
             try:
-                info = self._session.next_generation(self.config.fault_wait_s)
+                info = self._session.next_generation(self.config.fault_wait_s, after=tried)
             except TimeoutError as e:
                 # Nobody else saw a fault: this rank's own collective failed. Report it so the
                 # coordinator replaces this rank, and leave.
@@ -453,6 +481,7 @@ class ProtectedJob:
             # collective failed first, from that failure to the coordinator's word.
             rec.phases["interrupt"] = max(0.0, caught_t - arrived)
             rec.phases["wait"] = max(0.0, info.arrived_t - caught_t)
+            tried = info.generation
             try:
                 with self._phase(rec, "communicators"):
                     self._session.join(info)
@@ -469,8 +498,8 @@ class ProtectedJob:
                     self._shutdown()
                     raise
                 logger.warning(
-                    "rank %d: recovery into generation %d failed (%s); waiting for the next",
-                    dist.get_rank(),
+                    "%s: recovery into generation %d failed (%s); waiting for the next",
+                    self._session.identity,
                     info.generation,
                     _short(e),
                 )
@@ -492,19 +521,14 @@ class ProtectedJob:
         with self._phase(rec, "plan"):
             group = self._replication_group()
             held = gather_copies(self._stores, group, wire, rep_cfg.timeout_s)
-        if choose_source(held, world) is not None:
-            mode = "peers"
-        elif not any(c[2] > 0 for h in held for c in h):
-            # No step was ever replicated: every rank starts again from the initial state.
-            mode = "checkpoint" if self.config.resume else "initial"
-        else:
-            mode = self._fallback_mode(held)
+        mode = "peers" if choose_source(held, world) is not None else self._fallback_mode(held)
         with self._phase(rec, "build"):
             if mode == "initial":
                 _restore_rng(self._initial_rng)
             self.model = self.optimizer = self.scheduler = self.state = None
             self._build_state()
         extras: dict[str, Any]
+        self._source = None
         if mode == "peers":
             outcome = restore_from_peers(
                 self.state,
@@ -523,6 +547,7 @@ class ProtectedJob:
             rec.phases["restore"] = outcome.restore_s
             rec.bytes_received = outcome.bytes_received
             step, extras = outcome.step, outcome.extras
+            self._source = outcome.source
         elif mode == "checkpoint":
             with self._phase(rec, "restore"):
                 ckpt = ColdCheckpointer(
@@ -534,6 +559,8 @@ class ProtectedJob:
             extras = {"user": {}, "loader": self._initial_loader} if self.loader else {"user": {}}
         with self._phase(rec, "data"):
             self._apply_extras(extras)
+        if info.directive == "checkpoint":
+            self._checkpoint_and_stop(info, step)
         with self._phase(rec, "replicate"):
             self._start_replication(step, extras)
         rec.source, rec.step = mode, step
@@ -559,13 +586,16 @@ class ProtectedJob:
             info.generation,
             ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in rec.phases.items()),
         )
-        if info.directive == "checkpoint":
-            self._checkpoint_and_stop(info, step)
 
     def _fallback_mode(self, held: list[set]) -> str:
+        """Where the state comes from when no step has a copy of every shard."""
         ckpt = self.config.checkpoint
         if ckpt is not None and complete_steps(ckpt.root):
             return "checkpoint"
+        if not any(c[2] > 0 for h in held for c in h):
+            # No training step was ever replicated: every rank starts again from the initial
+            # state (the factory's, with the RNG as it was when protect() began).
+            return "initial"
         reason = (
             f"{describe_gap(held)}, and there is no complete checkpoint "
             f"{'under ' + repr(ckpt.root) if ckpt else '(RecoveryConfig.checkpoint is not set)'}"
@@ -586,11 +616,28 @@ class ProtectedJob:
             self.state,
             group=self._checkpoint_group(),
         )
-        ckpt.save(step, self._extras())
+        rank_states, world = None, None
+        if self._source is not None:
+            # The checkpoint carries every rank's RNG, schedule and extras of the world the
+            # state came from, lost ranks' included (from the copies held of them), so a job
+            # resumed at that size continues exactly.
+            rank_states, world = self._rank_states(step), self._source.world_size
+        ckpt.save(step, self._extras(), rank_states=rank_states, world_size=world)
         self._session.event("stop_checkpoint_written", step=step, root=root)
         logger.error("the job stops: %s; a checkpoint of step %d is in %s", info.reason, step, root)
         self._shutdown()
         raise SystemExit(1)
+
+    def _rank_states(self, step: int) -> dict[int, bytes]:
+        source, rank = self._source, dist.get_rank()
+        docs = {source.inherits_from[rank]: self.state.small_state(step, self._extras())}
+        inherited = set(source.inherits_from)
+        for owner in range(source.world_size):
+            if owner not in inherited and min(source.holders[owner]) == rank:
+                copy = find_copy(self._stores, source.world_size, owner, step)
+                layout = shard_layout(self.state.layout, source.world_size, owner)
+                docs[owner] = TrainingState.small_state_of(layout, copy.buffer)
+        return docs
 
     # -- plumbing ------------------------------------------------------------------------------
 

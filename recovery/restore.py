@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from p2p_state.layout import LayoutMismatchError
 from p2p_state.replicator import ReplicaCorruptError, Replicator
+from p2p_state.snapshot import Slot
 from p2p_state.state import TrainingState
 from p2p_state.transfer import Recv, Send, exchange, gather_bytes, transfer_tag
-from recovery.planner import RestorePlan, choose_source, plan_restore, shard_layout
+from recovery.planner import RestorePlan, Source, choose_source, plan_restore, shard_layout
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class RestoreOutcome:
     restore_s: float
     bytes_received: int
     num_transfers: int
+    source: Source
+    """Which world and step was restored, who held what, who inherited whom."""
 
 
 def gather_copies(
@@ -184,7 +187,7 @@ def restore_from_peers(
             if (source.world_size, owner) in verified:
                 continue
             try:
-                slot = _find_slot(stores, source.world_size, owner, source.step)
+                slot = find_copy(stores, source.world_size, owner, source.step)
                 if slot.header.layout_hash != old_layouts[owner].layout_hash:
                     raise ReplicaCorruptError(
                         f"copy of rank {owner} at step {source.step} has layout "
@@ -246,6 +249,7 @@ def restore_from_peers(
         restore_s=time.perf_counter() - t2,
         bytes_received=received,
         num_transfers=len(plan.transfers),
+        source=source,
     )
 
 
@@ -257,7 +261,13 @@ def _held(stores: Sequence[Replicator]) -> list[tuple[int, int, int, bool]]:
     return [(*k, own) for k, own in sorted(out.items())]
 
 
-def _find_slot(stores: Sequence[Replicator], world: int, owner: int, step: int):
+def find_copy(stores: Sequence[Replicator], world: int, owner: int, step: int) -> Slot:
+    """This member's verified copy of ``owner``'s state at ``step`` in a ``world``-rank world.
+
+    Raises:
+        KeyError: none is held here.
+        ReplicaCorruptError: it failed its checksum.
+    """
     for store in stores:
         if store.world_size == world and (world, owner, step) in {c[:3] for c in store.copies()}:
             return store.slot(owner, step)

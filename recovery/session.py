@@ -63,6 +63,8 @@ class GenerationInfo:
     """The coordinator's replica map: rank -> ranks holding a copy of its shard."""
     directive: str
     """``train`` (carry on), or ``checkpoint`` (restore, write a cold checkpoint and stop)."""
+    ack_timeout_s: float
+    """The coordinator's deadline for acknowledging this generation."""
     reason: str
     arrived_t: float
     """``time.monotonic()`` when it arrived."""
@@ -155,6 +157,7 @@ class Session:
                 store_prefix=str(body["store_prefix"]),
                 holders={r: h for r, h in holders.items() if r < world},
                 directive=str(body.get("directive", "train")),
+                ack_timeout_s=float(body.get("ack_timeout_s", 10.0)),
                 reason=str(body.get("reason", "")),
                 arrived_t=now,
             )
@@ -207,8 +210,9 @@ class Session:
                 return float(self._notice["arrived_t"])
             return None
 
-    def next_generation(self, timeout_s: float) -> GenerationInfo:
-        """Wait for a generation newer than the current one.
+    def next_generation(self, timeout_s: float, after: int | None = None) -> GenerationInfo:
+        """Wait for a generation newer than the current one (or than ``after``: one that could
+        not be joined is never joined again; its rendezvous keys are spent).
 
         A fault notice from the coordinator (a rank was lost and a spare is awaited) extends
         the wait by the time it announces.
@@ -226,6 +230,8 @@ class Session:
                         int(self._shutdown.get("code", 1)), str(self._shutdown.get("reason"))
                     )
                 current = self.info.generation if self.info else 0
+                if after is not None:
+                    current = max(current, after)
                 if self._latest > current:
                     return self._generations[self._latest]
                 if self._notice is not None:
@@ -265,6 +271,9 @@ class Session:
             store_prefix=info.store_prefix,
             backend=self.backend,
             timeout_s=self.timeout_s,
+            # Out of a generation that cannot form (a member died) before the coordinator's
+            # acknowledgement deadline of the next one expires.
+            join_timeout_s=min(self.timeout_s, info.ack_timeout_s / 2),
             ignore_peers=(_address(self.client.config.coordinator),),
         )
         comms = create_comms(spec, self._register)

@@ -201,3 +201,49 @@ def test_a_killed_straggler_is_reported_once_not_on_every_tick():
     first = m.tick(3.0)
     assert names(first).count("stragglers") == 1
     assert "stragglers" not in names(m.tick(3.1)) + names(m.tick(3.2))
+
+
+def test_spares_arriving_one_by_one_are_all_in_the_one_generation():
+    m, _ = job(spares=0, world=4, spare_wait_s=100.0, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    m.exited("rank/1", -9, 1.0)
+    m.exited("rank/2", -9, 1.0)
+    out = m.hello(Process("spare/a", "spare", 0, 3000), None, 2.0)
+    assert not of(out, Send)  # rank 2 still waits for a spare
+    (send,) = of(m.hello(Process("spare/b", "spare", 1, 3001), None, 3.0), Send)
+    gen = send.generation
+    assert gen.replaced == {1: ["rank/1", "spare/a"], 2: ["rank/2", "spare/b"]}
+    assert gen.lost == [1, 2]
+    # Each newcomer finds its own rank in what it receives.
+    for rank, identity in ((1, "spare/a"), (2, "spare/b")):
+        assert gen.to_body(full=True)["ranks"][str(rank)] == identity
+
+
+def test_a_rank_that_completed_is_not_declared_hung_while_it_exits():
+    m, _ = job(spares=1, heartbeat_timeout_s=3.0)
+    ack_all(m)
+    for r in range(4):
+        assert names(m.report_done(f"rank/{r}")) == ["rank_done"]
+        m.heartbeat(f"rank/{r}", 1.0)  # a last beat in flight changes nothing
+    # Slow interpreter teardown: no heartbeats from the ranks for longer than the timeout
+    # (the agents and the spare keep beating).
+    for identity in ("agent/0", "agent/1", "spare/0"):
+        m.heartbeat(identity, 9.9)
+    assert not of(m.tick(10.0), Kill) and not names(m.tick(10.0))
+    out = []
+    for r in range(4):
+        out += m.exited(f"rank/{r}", 0, 11.0)
+    (end,) = of(out, End)
+    assert end.code == 0 and end.reason == "every rank finished"
+
+
+def test_a_failure_after_the_others_completed_ends_the_job_with_its_reason():
+    m, _ = job(spares=1, heartbeat_timeout_s=3.0)
+    ack_all(m)
+    for r in (0, 1, 2):
+        m.report_done(f"rank/{r}")
+    out = m.exited("rank/3", -9, 5.0)
+    assert not of(out, Send), "no generation once the training has completed"
+    out += [a for r in (0, 1, 2) for a in m.exited(f"rank/{r}", 0, 6.0)]
+    (end,) = of(out, End)
+    assert end.code == 1 and "rank 3" in end.reason and "completed" in end.reason

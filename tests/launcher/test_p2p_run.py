@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.conftest import WORKER, alive, wait_for
+from tests.jobs import WORKER, alive, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,8 @@
-"""Fixtures that start real p2p-run jobs on this machine and always clean every process up."""
+"""Real p2p-run jobs on this machine for tests: several emulated nodes, every process cleaned up.
+
+``start_job`` (a fixture in ``tests/conftest.py``) starts one; its teardown SIGKILLs whatever
+is left of every job it started.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from launcher.events import read_events
 
-WORKER = str(Path(__file__).parent / "scripts" / "engine_worker.py")
+WORKER = str(Path(__file__).parent / "launcher" / "scripts" / "engine_worker.py")
+EXAMPLE = str(Path(__file__).parents[1] / "examples" / "train.py")
 DEADLINE_S = 60.0
 
 
@@ -50,10 +53,13 @@ class Job:
         extra: list[str],
         launcher_args: list[str] = (),
         script: str = WORKER,
+        env: dict[str, str] | None = None,
     ):
         self.run_dir = run_dir
         self.script = script
+        self.env = {**os.environ, **(env or {})}
         self.nodes: list[subprocess.Popen] = []
+        self._logs: list = []
         common = [
             "--nnodes",
             str(nnodes),
@@ -102,7 +108,14 @@ class Job:
             )
 
     def _start(self, args: list[str], extra: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "launcher.cli", *args, self.script, *extra])
+        log = open(self.run_dir / f"p2p-run-{len(self.nodes)}.log", "w")  # noqa: SIM115
+        self._logs.append(log)
+        return subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", *args, self.script, *extra],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def _coordinator_info(self):
         path = self.run_dir / "coordinator.json"
@@ -128,6 +141,24 @@ class Job:
         info = self._coordinator_info()
         return pids + ([info["pid"]] if info else []) + [n.pid for n in self.nodes]
 
+    def wait(self, timeout_s: float = DEADLINE_S) -> list[int]:
+        """Exit codes of the p2p-run processes once all have ended (fails after the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        codes = []
+        for n in self.nodes:
+            try:
+                codes.append(n.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"the job in {self.run_dir} still ran after {timeout_s:.0f}s; see "
+                    f"{self.run_dir}/p2p-run-*.log and events.jsonl"
+                ) from None
+        return codes
+
+    def output(self, node: int = 0) -> str:
+        """What p2p-run of ``node`` and its processes printed."""
+        return (self.run_dir / f"p2p-run-{node}.log").read_text()
+
     def stop(self) -> list[int]:
         """Ask the ranks to finish; returns the exit codes of the p2p-run processes."""
         (self.run_dir / "stop").touch()
@@ -142,25 +173,5 @@ class Job:
                     pass
         for n in self.nodes:
             n.wait(timeout=10)
-
-
-@pytest.fixture
-def start_job(tmp_path):
-    jobs: list[Job] = []
-
-    def start(nnodes=2, nproc=2, spares=(1, 0), extra=(), launcher_args=(), script=WORKER):
-        job = Job(
-            tmp_path / f"job{len(jobs)}",
-            nnodes,
-            nproc,
-            list(spares),
-            list(extra),
-            list(launcher_args),
-            script,
-        )
-        jobs.append(job)
-        return job
-
-    yield start
-    for job in jobs:
-        job.kill_everything()
+        for log in self._logs:
+            log.close()

@@ -1,0 +1,28 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.jobs import WORKER, Job
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    """Start p2p-run jobs (one p2p-run per emulated node); everything is killed at teardown."""
+    jobs: list[Job] = []
+
+    def start(
+        nnodes=2, nproc=2, spares=(1, 0), extra=(), launcher_args=(), script=WORKER, env=None
+    ):
+        run_dir = tmp_path / f"job{len(jobs)}"
+        run_dir.mkdir(parents=True)
+        job = Job(
+            run_dir, nnodes, nproc, list(spares), list(extra), list(launcher_args), script, env
+        )
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.kill_everything()

@@ -1,0 +1,152 @@
+"""In-process recovery end to end: the example FSDP2 job under p2p-run, real faults, bitwise.
+
+Every case runs 2 emulated nodes x 2 ranks (gloo, the tiny model, 8 steps) and compares the
+final state, and the batch and loss of every step, with the same job run without a fault.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from recovery.checkpoint import complete_steps
+from tests.recovery.conftest import NUM_STEPS, Outcome, assert_bitwise, run_example
+
+pytestmark = pytest.mark.slow
+
+PHASES = {"interrupt", "communicators", "plan", "build", "transfer", "restore", "replicate"}
+
+
+def test_the_comparison_catches_a_single_differing_bit(reference):
+    assert_bitwise(reference, reference)
+    broken = Outcome(reference.job, reference.codes, copy.deepcopy(reference.results))
+    broken.results[2]["digest"] = broken.results[2]["digest"][:-1] + "x"
+    with pytest.raises(AssertionError, match="rank 2's final state differs"):
+        assert_bitwise(broken, reference)
+    broken = Outcome(reference.job, reference.codes, copy.deepcopy(reference.results))
+    broken.results[1]["steps"]["5"]["loss"] += 1e-7
+    with pytest.raises(AssertionError, match="rank 1, step 5 differs"):
+        assert_bitwise(broken, reference)
+
+
+def test_sigkill_mid_step_is_replaced_by_a_spare_bitwise(tmp_path, data_cache, reference):
+    outcome = run_example(tmp_path, data_cache, faults=("kill:rank=1@step=3:phase=backward",))
+    assert_bitwise(outcome, reference)
+    (fault,) = outcome.events("fault")
+    assert "code -9" in fault["reason"]
+    (assigned,) = outcome.events("spare_assigned", rank=1)
+    done = outcome.events("recovery_done", generation=2)
+    assert sorted(e["rank"] for e in done) == [0, 1, 2, 3]
+    assert {e["restored_from"] for e in done} == {"peers"}
+    # Every survivor rolled back to the committed step and went through every phase.
+    assert {e["step"] for e in done} == {2}
+    survivors = [e for e in done if e["source"] != assigned["identity"]]
+    assert all(set(e["phases"]) >= PHASES for e in survivors)
+    # Only the spare received bytes, and only its shard's.
+    (spare,) = [e for e in done if e["source"] == assigned["identity"]]
+    assert spare["bytes_received"] > 0 and all(e["bytes_received"] == 0 for e in survivors)
+    assert len(outcome.events("first_step_done", generation=2)) == 4
+    # The pool was refilled.
+    assert len(outcome.events("process_started", role="spare")) == 2
+
+
+def test_sigkill_during_the_optimizer_step_and_during_replication(tmp_path, data_cache, reference):
+    outcome = run_example(
+        tmp_path,
+        data_cache,
+        faults=(
+            "kill:rank=2@step=3:phase=optimizer",
+            "during-replication:rank=0@step=6",
+        ),
+        spares=(1, 1),
+    )
+    assert_bitwise(outcome, reference)
+    assert len(outcome.events("fault")) == 2
+    assert {e["generation"] for e in outcome.events("recovery_done")} == {2, 3}
+
+
+def test_sigstop_is_detected_by_heartbeat_killed_and_replaced(tmp_path, data_cache, reference):
+    outcome = run_example(tmp_path, data_cache, faults=("hang:rank=3@step=4",))
+    assert_bitwise(outcome, reference)
+    (fault,) = outcome.events("fault")
+    assert "no heartbeat" in fault["reason"]
+    (killed,) = outcome.events("process_killed")
+    assert killed["reason"] == "missed heartbeats"
+
+
+def test_a_second_fault_during_recovery_starts_it_again(tmp_path, data_cache, reference):
+    # Rank 1's shard is held by rank 3; rank 0 holds rank 3's and its own is held by rank 2,
+    # so after losing ranks 1 and 0 every shard still has a copy.
+    outcome = run_example(
+        tmp_path,
+        data_cache,
+        faults=("kill:rank=1@step=3:phase=backward", "during-recovery:rank=0@recovery=1"),
+        spares=(1, 1),
+    )
+    assert_bitwise(outcome, reference)
+    started = outcome.events("generation_started")
+    assert [g["generation"] for g in started] == [1, 2, 3]
+    assert len(outcome.events("fault")) == 2
+    done = outcome.events("recovery_done")
+    assert {e["generation"] for e in done} == {3}, "generation 2 never completed"
+
+
+def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(
+    tmp_path, data_cache, reference
+):
+    ckpt = tmp_path / "ckpt"
+    outcome = run_example(
+        tmp_path,
+        data_cache,
+        faults=("kill-buddies:rank=1@step=6",),
+        spares=(1, 1),
+        launcher_args=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"),
+    )
+    assert_bitwise(outcome, reference)
+    done = outcome.events("recovery_done")
+    assert {e["restored_from"] for e in done} == {"checkpoint"}
+    (step,) = {e["step"] for e in done}
+    # The latest checkpoint whose asynchronous save had completed when the fault hit.
+    assert step in (2, 4) and step in complete_steps(str(ckpt))
+
+
+def test_without_a_checkpoint_the_loss_of_every_copy_ends_the_job_clearly(tmp_path, data_cache):
+    outcome = run_example(
+        tmp_path, data_cache, faults=("kill-buddies:rank=1@step=4",), spares=(1, 1)
+    )
+    assert outcome.codes == [1, 1]
+    printed = [line for line in outcome.job.output(0).splitlines() if line.startswith("p2p-run:")]
+    assert len(printed) == 1, outcome.job.output(0)[-3000:]
+    assert "were lost together with every replica" in printed[0]
+    assert "no complete checkpoint" in printed[0]
+
+
+def test_no_spare_stops_with_a_checkpoint_that_a_resumed_job_continues_bitwise(
+    tmp_path, data_cache, reference
+):
+    stopped = run_example(
+        tmp_path / "stopped",
+        data_cache,
+        faults=("kill:rank=3@step=4",),
+        spares=(0, 0),
+        launcher_args=("--spare-wait", "2"),
+    )
+    assert stopped.codes == [1, 1]
+    printed = [line for line in stopped.job.output(1).splitlines() if line.startswith("p2p-run:")]
+    assert len(printed) == 1 and "no spare for ranks [3]" in printed[0], printed
+    (written,) = {e["step"] for e in stopped.events("stop_checkpoint_written")}
+    assert 0 < written < 4
+    ckpt = stopped.job.run_dir / "checkpoints"
+    assert complete_steps(str(ckpt)) == [written]
+
+    resumed = run_example(
+        tmp_path / "resumed",
+        data_cache,
+        spares=(0, 0),
+        launcher_args=("--checkpoint-dir", str(ckpt), "--resume"),
+    )
+    assert_bitwise(resumed, reference)
+    for result in resumed.results.values():
+        assert min(map(int, result["steps"])) == written + 1
+    assert NUM_STEPS == 8
