@@ -79,7 +79,7 @@ def test_a_lost_coordinator_stops_every_node(start_job):
     job = start_job(launcher_args=["--coordinator-timeout", "3"])
     job.wait_event("generation_complete", generation=1)
     pids = [e["pid"] for e in job.events("process_started")]
-    os.kill(job._coordinator_info()["pid"], signal.SIGKILL)
+    os.kill(job.coordinator_info()["pid"], signal.SIGKILL)
     codes = [n.wait(timeout=30) for n in job.nodes]
     assert codes == [1, 1]
     assert len(job.events("coordinator_lost")) == 2

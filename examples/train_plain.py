@@ -1,0 +1,93 @@
+"""The example training job as people run it today: plain FSDP2, DCP checkpoints, torchrun.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 4 --max-restarts 3 \\
+        examples/train_plain.py --steps 20 --checkpoint-dir /tmp/ckpt --checkpoint-every 5
+
+A fault kills the whole job; torchrun restarts every process, which re-initialise their process
+group, load the last checkpoint and recompute the steps since it. That is the baseline of
+``p2p-bench baseline`` (the ``P2P_TIMELINE`` file records its milestones). Compare with
+``train.py``, the same job protected by the engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.monotonic()  # before the imports: importing torch is part of a restart
+
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+from bench.models import lm_loss  # noqa: E402
+
+import example_job as common  # noqa: E402  (a sibling of this script)
+
+
+def latest_checkpoint(root: str | None) -> int:
+    """Step of the latest complete checkpoint under ``root`` (0 if there is none)."""
+    if not root or not os.path.isdir(root):
+        return 0
+    steps = [
+        int(name.removeprefix("step-"))
+        for name in os.listdir(root)
+        if name.startswith("step-") and os.path.exists(os.path.join(root, name, ".metadata"))
+    ]
+    return max(steps, default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = common.parse_args(argv, __doc__.splitlines()[0])
+    rank = int(os.environ["RANK"])
+    timeline = common.Timeline(rank)
+    timeline.mark("started", t=STARTED, pid=os.getpid())
+    timeline.mark("imported")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    timeline.mark("communicators")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed * 1000 + rank)  # each rank's dropout stream
+    loader = common.make_loader(args, world, rank)
+    results = common.Results(args.out)
+
+    model, optimizer, scheduler = common.make_build(args)()
+    start = latest_checkpoint(args.checkpoint_dir)
+    if start:
+        model_sd, optim_sd = get_state_dict(model, [optimizer])
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=f"{args.checkpoint_dir}/step-{start}")
+        set_state_dict(
+            model, [optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        for _ in range(start):
+            scheduler.step()
+        loader.seek(start)
+    timeline.mark("checkpoint_loaded", step=start)
+
+    for step in range(start + 1, args.steps + 1):
+        batch = loader.next_batch()
+        if step == start + 1:
+            timeline.mark("data_ready", step=step)
+        loss = lm_loss(model, batch.long())
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        results.record(step, loss, batch)
+        if args.checkpoint_dir and step % args.checkpoint_every == 0:
+            model_sd, optim_sd = get_state_dict(model, [optimizer])
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=f"{args.checkpoint_dir}/step-{step}",
+            )
+        if rank == 0:
+            timeline.mark("step_done", step=step)
+    results.write(rank, world, started_at=start)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
