@@ -25,6 +25,22 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.data_bench",
         "time to a replacement rank's first batch from the node cache vs. from the source",
     ),
+    "recover": (
+        "bench.recover_bench",
+        "one SIGKILL with a spare: each recovery phase, recovery_s, bitwise check",
+    ),
+    "inject": (
+        "bench.inject_bench",
+        "the example job under p2p-run with a fault schedule: phases, steps lost, bitwise check",
+    ),
+    "baseline": (
+        "bench.baseline_bench",
+        "the same job as people run it today: torchrun restarts and DCP checkpoints",
+    ),
+    "compare": (
+        "bench.compare_bench",
+        "checkpointless vs checkpoint-restart on one job and fault schedule: downtime reduction",
+    ),
 }
 
 
@@ -40,8 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
+    from bench.fault_runs import UsageError
+
     try:
         return int(module.run(args) or 0)
+    except UsageError as e:
+        print(f"p2p-bench {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("p2p-bench: interrupted", file=sys.stderr)
         return 130

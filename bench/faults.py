@@ -15,6 +15,10 @@ A fault is written as ``kind:target@when[:phase=...]``:
 ``during-replication:rank=1@step=5``      SIGKILL rank 1 while it sends its snapshot of step 5
 ``during-recovery:rank=2@recovery=1``     SIGKILL rank 2 in the middle of the first recovery
                                           (``phase``: a recovery phase, default ``plan``)
+``bitflip:rank=1@step=3``                 flip one bit of rank 1's parameters (silent data
+                                          corruption: nothing crashes, the state diverges, and
+                                          only the bitwise check against a fault-free run
+                                          catches it)
 ========================================  =====================================================
 
 The faults a job should suffer are passed to its ranks as JSON in ``P2P_INJECT``; each rank arms
@@ -43,7 +47,15 @@ ENV_INJECT = "P2P_INJECT"
 #: Set by p2p-run's agent for the processes it starts.
 ENV_AGENT_PID = "P2P_AGENT_PID"
 
-KINDS = ("kill", "hang", "kill-node", "kill-buddies", "during-replication", "during-recovery")
+KINDS = (
+    "kill",
+    "hang",
+    "kill-node",
+    "kill-buddies",
+    "during-replication",
+    "during-recovery",
+    "bitflip",
+)
 STEP_PHASES = ("forward", "backward", "optimizer", "replication")
 RECOVERY_PHASES = ("communicators", "plan", "build", "transfer", "restore", "replicate")
 _SPEC = re.compile(
@@ -84,7 +96,8 @@ def parse_fault(spec: str) -> Fault:
     usage = (
         "write kill:rank=R@step=S[:phase=forward|backward|optimizer|replication], "
         "hang:rank=R@step=S, kill-node:node=N@step=S, kill-buddies:rank=R@step=S, "
-        "during-replication:rank=R@step=S or during-recovery:rank=R@recovery=K[:phase=P]"
+        "during-replication:rank=R@step=S, during-recovery:rank=R@recovery=K[:phase=P] or "
+        "bitflip:rank=R@step=S"
     )
     if not m:
         raise ValueError(f"bad fault spec {spec!r}: {usage}")
@@ -232,7 +245,14 @@ class Injector:
             t_fire=time.monotonic(),
         )
         logger.warning("injecting %s on rank %d", fault, self._rank())
-        if fault.kind == "kill-node":
+        if fault.kind == "bitflip":
+            import torch
+
+            param = next(iter(self._job.model.parameters()))
+            local = getattr(param, "_local_tensor", param)
+            with torch.no_grad():
+                local.reshape(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+        elif fault.kind == "kill-node":
             agent = int(os.environ.get(ENV_AGENT_PID, "0"))
             if agent <= 1 or os.getppid() != agent:
                 raise RuntimeError(f"{fault} needs a rank started by p2p-run's agent")

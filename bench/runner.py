@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,24 +151,37 @@ class LocalJob:
         info = self.coordinator_info()
         return pids + ([info["pid"]] if info else []) + [n.pid for n in self.nodes]
 
-    def wait(self, timeout_s: float) -> list[int]:
+    def wait(
+        self,
+        timeout_s: float,
+        on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
+        poll_s: float = 0.5,
+    ) -> list[int]:
         """Exit codes of the p2p-run processes once all have ended.
+
+        Args:
+            timeout_s: Deadline for the whole job.
+            on_poll: Called with the event log every ``poll_s`` while it runs (progress).
+            poll_s: Polling interval.
 
         Raises:
             JobTimeout: still running after ``timeout_s`` (the job is then killed).
         """
         deadline = time.monotonic() + timeout_s
-        codes = []
-        for n in self.nodes:
-            try:
-                codes.append(n.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
+        while any(n.poll() is None for n in self.nodes):
+            if time.monotonic() > deadline:
                 self.kill_everything()
                 raise JobTimeout(
                     f"the job in {self.run_dir} still ran after {timeout_s:.0f}s and was killed; "
                     f"see {self.run_dir}/p2p-run-*.log and events.jsonl"
-                ) from None
-        return codes
+                )
+            if on_poll is not None:
+                on_poll(self.events())
+            try:
+                self.nodes[0].wait(timeout=poll_s if on_poll else 0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        return [n.returncode for n in self.nodes]
 
     def output(self, node: int = 0) -> str:
         """What p2p-run of ``node`` and its processes printed."""
@@ -221,6 +234,7 @@ def run_example(
     script_args: Sequence[str] = (),
     launcher_args: Sequence[str] = (),
     timeout_s: float = 600.0,
+    on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
     **job_kwargs: Any,
 ) -> JobOutcome:
     """Run the example training job to its end with ``faults`` injected."""
@@ -251,7 +265,7 @@ def run_example(
         **job_kwargs,
     )
     try:
-        codes = job.wait(timeout_s)
+        codes = job.wait(timeout_s, on_poll)
     finally:
         job.kill_everything()
     results = {

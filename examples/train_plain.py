@@ -17,6 +17,7 @@ STARTED = time.monotonic()  # before the imports: importing torch is part of a r
 
 import os  # noqa: E402
 
+import fsspec  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -28,14 +29,18 @@ import example_job as common  # noqa: E402  (a sibling of this script)
 
 
 def latest_checkpoint(root: str | None) -> int:
-    """Step of the latest complete checkpoint under ``root`` (0 if there is none)."""
-    if not root or not os.path.isdir(root):
+    """Step of the latest complete checkpoint under ``root``, a directory or an fsspec URL
+    (0 if there is none). DCP writes ``.metadata`` last, so a save cut short never counts."""
+    if not root:
         return 0
-    steps = [
-        int(name.removeprefix("step-"))
-        for name in os.listdir(root)
-        if name.startswith("step-") and os.path.exists(os.path.join(root, name, ".metadata"))
-    ]
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(path):
+        return 0
+    steps = []
+    for entry in fs.ls(path, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("step-") and fs.exists(f"{entry.rstrip('/')}/.metadata"):
+            steps.append(int(name.removeprefix("step-")))
     return max(steps, default=0)
 
 
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     results = common.Results(args.out)
 
     model, optimizer, scheduler = common.make_build(args)()
+    timeline.mark("model_built")
     start = latest_checkpoint(args.checkpoint_dir)
     if start:
         model_sd, optim_sd = get_state_dict(model, [optimizer])

@@ -83,3 +83,112 @@ def test_replicate_bench(capsys):
 def test_bad_bench_input_is_one_line(capsys):
     assert main(["data", "--size-mb", "0"]) == 2
     assert "--size-mb" in capsys.readouterr().err
+
+
+FAST = ["--model", "tiny", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "3"]
+
+
+def _report(path):
+    return json.loads((path / "report.json").read_text())
+
+
+def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(capsys, tmp_path):
+    out = tmp_path / "report"
+    summary = _run(
+        capsys,
+        "compare",
+        *FAST,
+        "--steps",
+        "6",
+        "--fault",
+        "kill:rank=1@step=5",
+        "--checkpoint-every",
+        "3",
+        "--out-dir",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+    assert summary["bitwise_equal"] is True
+    assert summary["downtime_reduction_pct"] is not None
+    assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", "phases.png"}
+    report = _report(out)
+    (ours,) = report["modes"]["checkpointless"]["faults"]
+    (theirs,) = report["modes"]["restart"]["faults"]
+    for phase in ("detect", "interrupt", "communicators", "plan", "transfer", "restore"):
+        assert phase in ours["phases"]
+    assert abs(sum(ours["phases"].values()) - ours["downtime_s"]) < 1e-6
+    # The baseline loses exactly the steps since its last checkpoint: step 4 was reached when
+    # the fault hit during step 5, the last checkpoint is step 3.
+    assert theirs["step_reached"] == 4 and theirs["step_restored"] == 3
+    assert theirs["steps_lost"] == 1
+    assert set(theirs["phases"]) >= {"terminate", "restart processes", "load checkpoint"}
+
+
+def test_inject_a_kill_and_a_hang(capsys, tmp_path):
+    summary = _run(
+        capsys,
+        "inject",
+        *FAST,
+        "--steps",
+        "6",
+        "--fault",
+        "kill:rank=1@step=3:phase=backward",
+        "--fault",
+        "hang:rank=2@step=5",
+        "--out-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+    assert summary["bitwise_equal"] is True
+    faults = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
+    assert [f["spec"].split(":")[0] for f in faults] == ["kill", "hang"]
+    for f in faults:
+        assert all(v >= 0 for v in f["phases"].values()) and f["downtime_s"] > 0
+    # A hang is only seen when the heartbeat timeout (3 s) expires.
+    assert faults[1]["phases"]["detect"] > 2.5 > faults[0]["phases"]["detect"]
+
+
+def test_the_check_fails_when_a_run_is_silently_corrupted(capsys, tmp_path):
+    from bench.cli import main
+
+    code = main(
+        [
+            "inject",
+            *FAST,
+            "--steps",
+            "4",
+            "--fault",
+            "bitflip:rank=1@step=2",
+            "--out-dir",
+            str(tmp_path / "report"),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json",
+        ]
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 1 and summary["bitwise_equal"] is False
+    differences = summary["modes"]["checkpointless"]["differences"]
+    assert "rank 1's final state differs" in differences
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("kill:rank=1", "bad fault spec"),
+        ("explode:rank=1@step=3", "unknown fault kind"),
+        ("kill:rank=9@step=3", "rank 9 does not exist"),
+        ("kill:rank=1@step=99", "step 99 is outside"),
+        ("kill:node=1@step=3", "kill targets a rank"),
+    ],
+)
+def test_bad_fault_specs_are_one_clear_line(capfd, spec, message):
+    from bench.cli import main
+
+    assert main(["inject", "--fault", spec]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err

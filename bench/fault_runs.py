@@ -1,0 +1,377 @@
+"""What ``p2p-bench inject``, ``baseline``, ``compare`` and ``recover`` share: the job's flags, the
+runs of both modes, and the report they build.
+
+Each mode runs the same example job (model, world size, steps, data) with the same fault
+schedule. The checkpointless run is ``examples/train.py`` under p2p-run with the faults injected
+inside the ranks at exact points of a step; the fault-free reference is the same job without
+faults, for the bitwise check. The restart run is ``examples/train_plain.py`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench import phases
+from bench.baseline import run_baseline
+from bench.faults import Fault, parse_fault, random_faults
+from bench.runner import bitwise_differences, run_example
+
+
+class UsageError(ValueError):
+    """A bad flag value: reported as one line, exit code 2."""
+
+
+def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_every: int) -> None:
+    """Flags every fault benchmark takes."""
+    p.add_argument("--model", default="example", help="tiny, small or example (default)")
+    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        help="a fault, e.g. kill:rank=3@step=20 (repeatable; see bench/faults.py)",
+    )
+    p.add_argument("--random", type=int, default=0, help="N random kills and hangs (chaos mode)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=checkpoint_every,
+        help=f"steps between DCP checkpoints (default {checkpoint_every})",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where checkpoints go: a directory or an fsspec URL (default: in the run dir)",
+    )
+    p.add_argument("--out-dir", default=None, help="report folder (default reports/<kind>-<time>)")
+    p.add_argument("--work-dir", default=None, help="where runs keep their files (default tmp)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="p2p-run's, seconds")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="p2p-run's, seconds")
+    p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
+    p.add_argument("--quiet", action="store_true", help="no live progress display")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def resolve_faults(args: argparse.Namespace) -> list[Fault]:
+    """The fault schedule from ``--fault`` and ``--random``; bad specs are a UsageError."""
+    try:
+        faults = [parse_fault(spec) for spec in args.fault]
+        if args.random:
+            world = args.nnodes * args.nproc_per_node
+            faults += random_faults(
+                args.random, seed=args.seed, world_size=world, num_steps=args.steps - 1
+            )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    world = args.nnodes * args.nproc_per_node
+    for f in faults:
+        limit = args.nnodes if f.kind == "kill-node" else world
+        if f.target >= limit:
+            raise UsageError(
+                f"{f}: {'node' if f.kind == 'kill-node' else 'rank'} {f.target} does not exist "
+                f"({args.nnodes} nodes x {args.nproc_per_node} ranks)"
+            )
+        if f.kind != "during-recovery" and not 1 <= f.at <= args.steps:
+            raise UsageError(f"{f}: step {f.at} is outside 1..{args.steps} (--steps)")
+    if args.steps < 2 or args.nnodes < 1 or args.nproc_per_node < 1:
+        raise UsageError("--steps must be >= 2, --nnodes and --nproc-per-node >= 1")
+    return sorted(faults, key=lambda f: f.at)
+
+
+def spares_for(faults: list[Fault], nnodes: int, nproc_per_node: int) -> list[int]:
+    """Hot spares per node: enough for every rank the schedule kills, spread over the nodes
+    (the pool also refills itself after each assignment)."""
+    lost = 0
+    for f in faults:
+        if f.kind == "bitflip":
+            continue
+        if f.kind == "kill-node":
+            lost += nproc_per_node
+        elif f.kind == "kill-buddies":
+            lost += 2
+        else:
+            lost += 1
+    wanted = max(1, min(lost, 2 * nnodes))
+    return [wanted // nnodes + (1 if n < wanted % nnodes else 0) for n in range(nnodes)]
+
+
+def _work_dir(args: argparse.Namespace) -> Path:
+    return Path(args.work_dir or tempfile.mkdtemp(prefix="p2p-bench-"))
+
+
+def run_checkpointless(
+    args: argparse.Namespace, faults: list[Fault], progress: Any, *, reference: bool = True
+) -> dict[str, Any]:
+    """The engine's run with the faults (and the fault-free reference); its report section."""
+    work = _work_dir(args)
+    common = {
+        "model": args.model,
+        "steps": args.steps,
+        "nnodes": args.nnodes,
+        "nproc_per_node": args.nproc_per_node,
+        "cache_dir": str(work / "cache"),
+        "timeout_s": args.timeout,
+        "heartbeat_interval_s": args.heartbeat_interval,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+    }
+    launcher = []
+    if any(f.kind == "kill-buddies" for f in faults) and args.checkpoint_every:
+        # Losing a shard with every copy of it needs the cold checkpoint.
+        ckpt = args.checkpoint_dir or str(work / "checkpointless-ckpt")
+        launcher = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
+    spares = spares_for(faults, args.nnodes, args.nproc_per_node)
+    progress.run_started("checkpointless", args.steps)
+    outcome = run_example(
+        work / "checkpointless",
+        faults=faults,
+        spares=spares,
+        launcher_args=launcher,
+        on_poll=lambda events: _progress_from(progress, events),
+        **common,
+    )
+    events = outcome.job.events()
+    t0 = outcome.job.started_t
+    section: dict[str, Any] = {
+        "wall_s": outcome.wall_s,
+        "exit_codes": outcome.codes,
+        "spares": spares,
+        "faults": _relative(phases.checkpointless_faults(events), t0),
+        "timeline": phases.timeline(events, t0),
+        "bitwise_equal": None,
+        "differences": [],
+        "run_dir": str(outcome.job.run_dir),
+    }
+    if outcome.codes != [0] * args.nnodes:
+        section["error"] = _last_lines(outcome.job.output(0))
+    progress.run_finished(f"checkpointless run: exit codes {outcome.codes}")
+    if reference:
+        progress.run_started("fault-free reference", args.steps)
+        ref = run_example(
+            work / "reference",
+            spares=[0] * args.nnodes,
+            on_poll=lambda events: _progress_from(progress, events),
+            **common,
+        )
+        progress.run_finished(f"reference run: exit codes {ref.codes}")
+        problems = bitwise_differences(outcome, ref)
+        if ref.codes != [0] * args.nnodes:
+            problems.append(f"the reference run failed: {_last_lines(ref.job.output(0))}")
+        section["bitwise_equal"] = not problems
+        section["differences"] = problems[:20]
+        section["reference_wall_s"] = ref.wall_s
+    return section
+
+
+def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) -> dict[str, Any]:
+    """The checkpoint-restart baseline with the same faults; its report section."""
+    work = _work_dir(args)
+    progress.run_started("checkpoint-restart", args.steps)
+    run = run_baseline(
+        work / "restart",
+        model=args.model,
+        steps=args.steps,
+        world_size=args.nnodes * args.nproc_per_node,
+        ranks_per_node=args.nproc_per_node,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir,
+        faults=faults,
+        cache_dir=str(work / "cache"),
+        timeout_s=args.timeout,
+        on_poll=lambda marks: _progress_from(progress, marks),
+    )
+    progress.run_finished(f"checkpoint-restart run: exit code {run.code}")
+    section = {
+        "wall_s": run.wall_s,
+        "exit_codes": [run.code],
+        "faults": _relative(phases.restart_faults(run.marks, run.kills), run.started_t),
+        "timeline": phases.timeline([m for m in run.marks if m.get("rank") == 0], run.started_t),
+        "bitwise_equal": None,
+        "checkpoint_every": args.checkpoint_every,
+    }
+    if run.code != 0:
+        section["error"] = _last_lines(run.output)
+    return section
+
+
+def _progress_from(progress: Any, events: list[dict[str, Any]]) -> None:
+    steps = [e["step"] for e in events if e.get("event") == "step_done"]
+    recovering = any(e.get("event") == "fault_injected" for e in events[-20:])
+    progress.update(max(steps, default=0), "recovering" if recovering else "")
+
+
+def _relative(faults: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+    for f in faults:
+        f["t_fault"] = f["t_fault"] - t0
+    return faults
+
+
+def _last_lines(text: str, n: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def downtime(section: dict[str, Any]) -> float | None:
+    """Total downtime over a mode's faults (None if a fault has no measurement)."""
+    values = [f.get("downtime_s") for f in section.get("faults", []) if not f.get("silent")]
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import torch
+
+    return {
+        "hostname": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def job_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The job both modes ran."""
+    from bench.models import PRESETS
+
+    cfg = PRESETS[args.model]
+    world = args.nnodes * args.nproc_per_node
+    # Parameters and AdamW's two moments, fp32, split over the ranks.
+    state_mib = cfg.num_params * 4 * 3 / world / 2**20
+    return {
+        "model": args.model,
+        "num_params": cfg.num_params,
+        "state_mib_per_rank": round(state_mib, 1),
+        "nnodes": args.nnodes,
+        "nproc_per_node": args.nproc_per_node,
+        "world_size": world,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+    }
+
+
+def new_report(kind: str, args: argparse.Namespace, faults: list[Fault]) -> dict[str, Any]:
+    """The report's frame; the modes and the summary are filled in by the command."""
+    return {
+        "kind": kind,
+        "command": shlex.join(["p2p-bench", *sys.argv[1:]]) if sys.argv else "p2p-bench",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "job": job_info(args),
+        "faults": [str(f) for f in faults],
+        "modes": {},
+        "summary": {},
+    }
+
+
+def out_dir(args: argparse.Namespace, kind: str) -> Path:
+    """The report folder."""
+    if args.out_dir:
+        return Path(args.out_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("reports") / f"{kind}-{stamp}"
+
+
+@contextlib.contextmanager
+def progress(args: argparse.Namespace, runs: int):
+    """The live progress display of the runs (nothing with ``--quiet`` or ``--json``)."""
+    from bench.report import LiveProgress
+
+    with LiveProgress(quiet=args.quiet or args.json, total_runs=runs) as live:
+        yield live
+
+
+def notes(report: dict[str, Any]) -> list[str]:
+    """What a reader must know to trust the figures."""
+    out = [
+        "Phases are cut on one monotonic clock and add up to each fault's downtime: from the "
+        "fault until training is back at the step it had reached.",
+        f"Measured on {report['machine']['cpus']} CPU cores"
+        + (f" and {report['machine']['gpu']}" if report["machine"].get("gpu") else ", no GPU")
+        + " (gloo over loopback); ranks of emulated nodes share the cores.",
+    ]
+    restart = report["modes"].get("restart")
+    if restart is not None:
+        every = report["job"]["checkpoint_every"]
+        out.append(
+            f"Checkpoint-restart saves a DCP checkpoint every {every} steps (what a user of a "
+            "multi-hour run picks: ~30-60 min of training between checkpoints at this step time "
+            "scale), so a fault loses on average half an interval of steps."
+        )
+    for name, section in report["modes"].items():
+        if section.get("error"):
+            out.append(f"The {name} run failed: {section['error'].splitlines()[-1]}")
+        for fault in section.get("faults", []):
+            if fault.get("silent"):
+                out.append(f"{fault['spec']} corrupts silently: only the bitwise check sees it.")
+            elif fault.get("error"):
+                out.append(f"{name}: {fault['spec']}: {fault['error']}")
+    return out
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The short table for people."""
+    print(
+        f"p2p-bench {report['kind']}: {report['job']['model']} model, "
+        f"{report['job']['world_size']} ranks, {report['job']['steps']} steps"
+    )
+    for name, section in report["modes"].items():
+        label = "checkpointless" if name == "checkpointless" else "checkpoint-restart"
+        for fault in section.get("faults", []):
+            if "phases" not in fault:
+                print(f"  {label:18s} {fault['spec']}: {fault.get('error') or 'silent'}")
+                continue
+            phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in fault["phases"].items())
+            print(
+                f"  {label:18s} {fault['spec']}: downtime {fault['downtime_s']:.2f} s, "
+                f"steps lost {fault.get('steps_lost')} ({phases} ms)"
+            )
+    summary = report["summary"]
+    for key in (
+        "downtime_checkpointless_s",
+        "downtime_restart_s",
+        "downtime_reduction_pct",
+        "recovery_s",
+        "bitwise_equal",
+    ):
+        if key in summary:
+            value = summary[key]
+            print(f"  {key}: {round(value, 3) if isinstance(value, float) else value}")
+
+
+def finish(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """Write the report folder, print the table or the JSON; 1 if a run or the check failed."""
+    from bench.report import write_report
+
+    if "checkpointless" in report["modes"]:
+        report["job"]["spares"] = report["modes"]["checkpointless"].get("spares")
+    folder = out_dir(args, report["kind"])
+    paths = write_report(report, folder)
+    report["report_dir"] = str(folder)
+    if args.json:
+        print(
+            json.dumps(
+                {**report["summary"], "report_dir": str(folder), "modes": report["modes"]},
+                default=str,
+            )
+        )
+    else:
+        print_table(report)
+        print(f"  report: {paths[1] if len(paths) > 1 else folder}")
+    failed = any(s.get("error") for s in report["modes"].values())
+    return 1 if failed or report["summary"].get("bitwise_equal") is False else 0

@@ -1,0 +1,174 @@
+"""Phase timings of every fault, read from a run's event log: pure functions of plain data.
+
+Both modes are cut into consecutive phases on one clock (CLOCK_MONOTONIC, shared by the
+processes of one machine), so a fault's phases add up exactly to its **downtime**: the time from
+the fault until training is back at the step it had reached when the fault hit (the step in
+flight is lost in both modes).
+
+Checkpointless (the engine's event log): ``detect`` (fault -> the coordinator's decision),
+``interrupt`` (its word reaching the ranks and them leaving the step, or waiting for it),
+then the slowest rank's recovery phases (``communicators``, ``plan``, ``build``, ``transfer``,
+``restore``, ``data``, ``replicate``), then ``recompute`` (the steps between the restored and the
+reached step, if the restored step is older).
+
+Checkpoint-restart (``examples/train_plain.py``'s timeline under torchrun): ``terminate``
+(fault -> the first new process starts), ``restart processes`` (interpreters and imports),
+``init communicators``, ``build model``, ``load checkpoint``, ``warm data``, ``recompute`` (from
+the checkpoint's step to the reached step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+RANK_PHASES = ("communicators", "plan", "build", "transfer", "restore", "data", "replicate")
+
+Event = dict[str, Any]
+
+
+def _first(events: Sequence[Event], name: str, after: float, **match: Any) -> Event | None:
+    found = [
+        e
+        for e in events
+        if e["event"] == name and e["t"] >= after and all(e.get(k) == v for k, v in match.items())
+    ]
+    return min(found, key=lambda e: e["t"]) if found else None
+
+
+def step_reached(steps: Sequence[tuple[float, int]], t: float) -> int:
+    """The last step completed before ``t`` (0 if none): ``steps`` is ``[(time, step), ...]``."""
+    return max((s for when, s in steps if when < t), default=0)
+
+
+def _back_at(steps: Sequence[tuple[float, int]], step: int, after: float) -> float | None:
+    """When ``step`` was completed again after ``after``."""
+    times = [when for when, s in steps if s >= step and when >= after]
+    return min(times) if times else None
+
+
+def injected_faults(events: Sequence[Event]) -> list[tuple[str, float]]:
+    """``(spec, time)`` of every injected fault (ranks dying together count once), in order."""
+    first: dict[str, float] = {}
+    for e in events:
+        if e["event"] == "fault_injected":
+            first[e["fault"]] = min(first.get(e["fault"], e["t"]), e["t"])
+    return sorted(first.items(), key=lambda kv: kv[1])
+
+
+def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
+    """Per injected fault of an engine run: its phases, downtime and steps lost.
+
+    A fault's recovery is the first generation completed after it (a fault during a recovery
+    shares that recovery with the fault before it).
+    """
+    steps = [(e["t"], e["step"]) for e in events if e["event"] == "step_done"]
+    out = []
+    for spec, t_fault in injected_faults(events):
+        if spec.startswith("bitflip"):
+            # Silent data corruption: nothing crashes, so there is nothing to recover from.
+            out.append({"spec": spec, "t_fault": t_fault, "silent": True})
+            continue
+        seen = _first(events, "fault", t_fault)
+        done = [e for e in events if e["event"] == "recovery_done" and e["t"] >= t_fault]
+        if seen is None or not done:
+            out.append({"spec": spec, "t_fault": t_fault, "error": "no recovery after it"})
+            continue
+        generation = min(e["generation"] for e in done)
+        ranks = [e for e in done if e["generation"] == generation]
+        critical = max(ranks, key=lambda e: e["t"])
+        reached = step_reached(steps, t_fault)
+        restored = critical["step"]
+        phases = {"detect": max(0.0, seen["t"] - t_fault)}
+        rank_phases = {p: critical["phases"].get(p, 0.0) for p in RANK_PHASES}
+        span = critical["t"] - seen["t"]
+        phases["interrupt"] = max(0.0, span - sum(rank_phases.values()))
+        scale = 1.0 if span >= sum(rank_phases.values()) else span / sum(rank_phases.values())
+        phases.update({p: v * scale for p, v in rank_phases.items()})
+        end = critical["t"]
+        if restored < reached:
+            back = _back_at(steps, reached, critical["t"])
+            end = back if back is not None else end
+            phases["recompute"] = end - critical["t"]
+        firsts = [
+            e["t"]
+            for e in events
+            if e["event"] == "first_step_done" and e.get("generation") == generation
+        ]
+        out.append(
+            {
+                "spec": spec,
+                "t_fault": t_fault,
+                "generation": generation,
+                "step_reached": reached,
+                "step_restored": restored,
+                "steps_lost": max(0, reached - restored),
+                "restored_from": critical.get("restored_from"),
+                "phases": phases,
+                "downtime_s": end - t_fault,
+                "recovery_s": (max(firsts) - t_fault) if firsts else None,
+                "bytes_received": sum(e.get("bytes_received", 0) for e in ranks),
+            }
+        )
+    return out
+
+
+def restart_faults(
+    marks: Sequence[Event], kills: Sequence[tuple[str, float]]
+) -> list[dict[str, Any]]:
+    """Per fault of a checkpoint-restart run (``train_plain.py``'s timeline and the bench's
+    own kill times): its phases, downtime and steps lost."""
+    steps = [(m["t"], m["step"]) for m in marks if m["event"] == "step_done"]
+    out = []
+    for spec, t_fault in kills:
+        started = [m["t"] for m in marks if m["event"] == "started" and m["t"] >= t_fault]
+        if not started:
+            out.append({"spec": spec, "t_fault": t_fault, "error": "the job did not restart"})
+            continue
+        b1 = min(started)
+        attempt = [m for m in marks if m["t"] >= b1]
+
+        def latest(name: str, attempt: list[Event] = attempt) -> float | None:
+            times = [m["t"] for m in attempt if m["event"] == name]
+            return max(times) if times else None
+
+        bounds = [
+            ("terminate", b1),
+            ("restart processes", latest("imported")),
+            ("init communicators", latest("communicators")),
+            ("build model", latest("model_built")),
+            ("load checkpoint", latest("checkpoint_loaded")),
+            ("warm data", latest("data_ready")),
+        ]
+        reached = step_reached(steps, t_fault)
+        loaded = next((m["step"] for m in attempt if m["event"] == "checkpoint_loaded"), None)
+        phases, prev = {}, t_fault
+        for name, when in bounds:
+            if when is None:
+                break
+            phases[name] = max(0.0, when - prev)
+            prev = max(prev, when)
+        end = prev
+        if loaded is not None and loaded < reached:
+            back = _back_at(steps, reached, prev)
+            if back is not None:
+                phases["recompute"] = back - prev
+                end = back
+        out.append(
+            {
+                "spec": spec,
+                "t_fault": t_fault,
+                "step_reached": reached,
+                "step_restored": loaded,
+                "steps_lost": None if loaded is None else max(0, reached - loaded),
+                "restored_from": "checkpoint",
+                "phases": phases,
+                "downtime_s": end - t_fault,
+            }
+        )
+    return out
+
+
+def timeline(events: Sequence[Event], t0: float) -> list[tuple[float, int]]:
+    """``[(seconds since t0, step), ...]`` of every completed step (rank 0's view)."""
+    return sorted((e["t"] - t0, e["step"]) for e in events if e["event"] == "step_done")

@@ -1,0 +1,110 @@
+"""Phase timings from event logs: pure functions, synthetic logs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.phases import checkpointless_faults, restart_faults, step_reached, timeline
+
+
+def _ev(t, event, **fields):
+    return {"t": t, "event": event, **fields}
+
+
+def engine_log(restored: int):
+    steps = [_ev(10.0 + s, "step_done", step=s) for s in range(1, 6)]
+    phases = {
+        "interrupt": 0.01,
+        "wait": 0.0,
+        "communicators": 0.02,
+        "plan": 0.05,
+        "build": 0.1,
+        "transfer": 0.04,
+        "restore": 0.03,
+        "data": 0.0,
+        "replicate": 0.05,
+    }
+    done = [
+        _ev(
+            15.45,
+            "recovery_done",
+            generation=2,
+            rank=r,
+            step=restored,
+            phases=phases,
+            bytes_received=100 * (r == 1),
+            restored_from="peers",
+        )
+        for r in (0, 2, 3)
+    ] + [
+        _ev(
+            15.5,
+            "recovery_done",
+            generation=2,
+            rank=1,
+            step=restored,
+            phases=phases,
+            bytes_received=100,
+            restored_from="peers",
+        )
+    ]
+    after = [_ev(16.0 + s - restored, "step_done", step=s) for s in range(restored + 1, 9)]
+    return [
+        *steps,
+        _ev(15.2, "fault_injected", fault="kill:rank=1@step=6:phase=forward"),
+        _ev(15.23, "fault"),
+        _ev(15.231, "generation_started", generation=2),
+        *done,
+        _ev(15.9, "first_step_done", generation=2),
+        *after,
+    ]
+
+
+def test_checkpointless_phases_add_up_to_the_downtime():
+    (f,) = checkpointless_faults(engine_log(restored=5))
+    assert f["step_reached"] == 5 and f["step_restored"] == 5 and f["steps_lost"] == 0
+    assert f["phases"]["detect"] == pytest.approx(0.03)
+    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
+    assert f["downtime_s"] == pytest.approx(0.3)  # back at step 5 when the last rank restored
+    assert f["recovery_s"] == pytest.approx(0.7)
+    assert list(f["phases"])[:2] == ["detect", "interrupt"] and "recompute" not in f["phases"]
+    assert f["bytes_received"] == 100  # only the spare received
+
+
+def test_an_older_restored_step_is_recomputed_before_the_downtime_ends():
+    (f,) = checkpointless_faults(engine_log(restored=3))
+    assert f["steps_lost"] == 2
+    assert f["phases"]["recompute"] == pytest.approx(16.0 + 5 - 3 - 15.5)
+    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
+
+
+def test_a_silent_fault_has_no_recovery():
+    events = [_ev(1.0, "step_done", step=1), _ev(1.5, "fault_injected", fault="bitflip:rank=1")]
+    (f,) = checkpointless_faults(events)
+    assert f["silent"] and "phases" not in f
+
+
+def test_restart_phases_follow_the_new_attempt():
+    marks = [_ev(1.0 + s, "step_done", step=s, rank=0) for s in range(1, 7)]
+    marks += (
+        [_ev(30.0, "started", rank=r) for r in range(4)]
+        + [_ev(32.0 + r * 0.1, "imported", rank=r) for r in range(4)]
+        + [_ev(32.5, "communicators", rank=r) for r in range(4)]
+        + [_ev(33.0, "model_built", rank=r) for r in range(4)]
+        + [_ev(34.0, "checkpoint_loaded", rank=r, step=5) for r in range(4)]
+        + [_ev(34.1, "data_ready", rank=r, step=6) for r in range(4)]
+    )
+    marks += [_ev(34.5, "step_done", step=6, rank=0), _ev(35.0, "step_done", step=7, rank=0)]
+    (f,) = restart_faults(marks, [("kill:rank=2@step=8", 7.5)])
+    assert f["step_reached"] == 6 and f["step_restored"] == 5 and f["steps_lost"] == 1
+    assert f["phases"]["terminate"] == pytest.approx(22.5)
+    assert f["phases"]["restart processes"] == pytest.approx(2.3)
+    assert f["phases"]["recompute"] == pytest.approx(0.4)
+    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"]) == pytest.approx(27.0)
+
+
+def test_step_reached_and_timeline():
+    steps = [(1.0, 1), (2.0, 2), (3.0, 3)]
+    assert step_reached(steps, 2.5) == 2 and step_reached(steps, 0.5) == 0
+    events = [_ev(t, "step_done", step=s) for t, s in steps]
+    assert timeline(events, 1.0) == [(0.0, 1), (1.0, 2), (2.0, 3)]
