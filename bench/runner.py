@@ -91,6 +91,7 @@ class LocalJob:
             str(ack_timeout_s),
             *launcher_args,
         ]
+        self._common = common
         try:
             self._start([*common, "--node-rank", "0", "--coordinator", "127.0.0.1:0"], spares[0])
             self.port = self._wait_for_coordinator()["port"]
@@ -102,6 +103,13 @@ class LocalJob:
         except BaseException:
             self.kill_everything()
             raise
+
+    def add_node(self, node_rank: int, spares: int = 0) -> None:
+        """Start one more node's p2p-run, joining the running job (elastic jobs grow into it)."""
+        address = f"127.0.0.1:{self.port}"
+        self._start(
+            [*self._common, "--node-rank", str(node_rank), "--coordinator", address], spares
+        )
 
     def _start(self, args: list[str], spares: int) -> None:
         log = open(self.run_dir / f"p2p-run-{len(self.nodes)}.log", "w")  # noqa: SIM115

@@ -66,6 +66,8 @@ class ResumableLoader:
         self.state = SamplerState(seed)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2p-prefetch")
         self._next: tuple[tuple, concurrent.futures.Future] | None = None
+        self.last_ids: np.ndarray = np.empty(0, dtype=np.int64)
+        """Sample ids of the batch :meth:`next_batch` returned last."""
 
     # -- the interface recovery uses -----------------------------------------------------------
 
@@ -81,6 +83,13 @@ class ResumableLoader:
         """A new world size after a resize: the same global batch, split anew."""
         plan_batch(self.global_batch, world_size, self.global_batch)
         self.world_size, self.rank = world_size, rank
+
+    def loss_weight(self) -> float:
+        """Scale of this rank's mean loss so that averaging gradients over the ranks gives the
+        mean over the global batch, whatever the world size (1.0 when it divides evenly)."""
+        return plan_batch(self.global_batch, self.world_size, self.global_batch).loss_weight(
+            self.rank
+        )
 
     def seek(self, step: int) -> None:
         """Position before global step ``step`` (0-based) of the run, in O(1)."""
@@ -110,10 +119,11 @@ class ResumableLoader:
     def next_batch(self) -> torch.Tensor:
         """This rank's batch of the next step; advances the state."""
         key = (self.state, self.world_size, self.rank)
+        self.last_ids = self.ids()
         if self._next is not None and self._next[0] == key:
             batch = self._next[1].result()
         else:
-            batch = self._read(self.ids())
+            batch = self._read(self.last_ids)
         self.state = advance(self.state, len(self.cache), self.global_batch, self.drop_last)
         ahead = (self.state, self.world_size, self.rank)
         self._next = (ahead, self._pool.submit(self._read, self.ids()))

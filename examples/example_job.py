@@ -100,10 +100,12 @@ class Results:
         self.out = Path(out) if out else None
         self.steps: dict[int, dict] = {}
 
-    def record(self, step: int, loss: torch.Tensor, batch: torch.Tensor) -> None:
+    def record(self, step: int, loss: torch.Tensor, batch: torch.Tensor, ids=None) -> None:
         """What step ``step`` saw and computed (a redone step overwrites its first attempt)."""
         digest = hashlib.sha256(batch.numpy().tobytes()).hexdigest()[:16]
         self.steps[step] = {"loss": loss.item(), "batch": digest}
+        if ids is not None:
+            self.steps[step]["ids"] = [int(i) for i in ids]
 
     def write(self, rank: int, world_size: int, **fields) -> None:
         """``<out>/rank<r>.json``, atomically."""

@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> None:
         for step, batch in job:
             with job.step():
                 loss = lm_loss(job.model, batch.long())
-                loss.backward()
+                # The same update at any world size (1.0 when the global batch divides).
+                (loss * loader.loss_weight()).backward()
                 job.optimizer.step()
                 job.scheduler.step()
                 job.optimizer.zero_grad(set_to_none=True)
-                results.record(step, loss, batch)
+                results.record(step, loss, batch, loader.last_ids)
         digest = job.state.digest()
         recoveries = [
             {"generation": r.generation, "source": r.source, "step": r.step, "phases": r.phases}

@@ -78,11 +78,12 @@ def main(argv: list[str] | None = None) -> None:
         if step == start + 1:
             timeline.mark("data_ready", step=step)
         loss = lm_loss(model, batch.long())
-        loss.backward()
+        # The same update at any world size (1.0 when the global batch divides).
+        (loss * loader.loss_weight()).backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        results.record(step, loss, batch)
+        results.record(step, loss, batch, loader.last_ids)
         if args.checkpoint_dir and step % args.checkpoint_every == 0:
             model_sd, optim_sd = get_state_dict(model, [optimizer])
             dcp.save(

@@ -236,10 +236,16 @@ class Agent:
             if first.type == protocol.SHUTDOWN:
                 raise AgentError(f"the coordinator refused this node: {first.body['reason']}")
             self.store_port = int(first.body["store_port"])
-            for local in range(cfg.nproc_per_node):
-                self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
-            for _ in range(cfg.spares):
-                self._spawn_spare()
+            if cfg.node_rank < cfg.nnodes:
+                for local in range(cfg.nproc_per_node):
+                    self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
+                for _ in range(cfg.spares):
+                    self._spawn_spare()
+            else:
+                # A node joining an elastic job that already runs: its processes are capacity
+                # the coordinator grows into.
+                for _ in range(cfg.nproc_per_node + cfg.spares):
+                    self._spawn_spare()
             return self._serve(sock, wake_r)
         finally:
             self.terminate_all()

@@ -89,6 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replicas", type=int, default=1, help="replication factor k of the data plane (default 1)"
     )
+    elastic = p.add_argument_group(
+        "elastic jobs", "let the job shrink after a fault with no spare, and grow into spares"
+    )
+    elastic.add_argument(
+        "--min-ranks", type=int, default=None, help="fewest ranks (default: the start size)"
+    )
+    elastic.add_argument(
+        "--max-ranks",
+        type=int,
+        default=None,
+        help="most ranks; nodes with --node-rank >= --nnodes may join up to it (default: the "
+        "start size)",
+    )
+    elastic.add_argument(
+        "--allowed-sizes",
+        default=None,
+        help="comma-separated world sizes the job may run at, e.g. 2,4,8 (default: any)",
+    )
+    elastic.add_argument(
+        "--scale-up-delay",
+        type=float,
+        default=30.0,
+        help="spare capacity must last this long before the job grows, seconds (default 30)",
+    )
+    elastic.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=60.0,
+        help="time a given-back rank has to leave before it is killed, seconds (default 60)",
+    )
     p.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -120,10 +150,30 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(args: argparse.Namespace) -> None:
     if args.nnodes < 1 or args.nproc_per_node < 1:
         raise UsageError("--nnodes and --nproc-per-node must be >= 1")
-    if not 0 <= args.node_rank < args.nnodes:
+    world = args.nnodes * args.nproc_per_node
+    args.min_ranks = world if args.min_ranks is None else args.min_ranks
+    args.max_ranks = world if args.max_ranks is None else args.max_ranks
+    if not 1 <= args.min_ranks <= world <= args.max_ranks:
+        raise UsageError(
+            f"--min-ranks {args.min_ranks} <= the start size {world} (--nnodes x "
+            f"--nproc-per-node) <= --max-ranks {args.max_ranks} does not hold"
+        )
+    joining = args.max_ranks > world and args.node_rank >= args.nnodes
+    if args.node_rank < 0 or (args.node_rank >= args.nnodes and not joining):
         raise UsageError(
             f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes})"
+            "; a node joins a running job only when --max-ranks leaves room"
         )
+    if args.min_ranks < world and args.min_ranks <= args.replicas:
+        raise UsageError(
+            f"--min-ranks {args.min_ranks} leaves no room for --replicas {args.replicas} "
+            "copies of every shard on other ranks; raise it above --replicas"
+        )
+    if args.allowed_sizes:
+        try:
+            args.allowed_sizes = tuple(int(x) for x in args.allowed_sizes.split(","))
+        except ValueError:
+            raise UsageError(f"--allowed-sizes {args.allowed_sizes!r} is not like 2,4,8") from None
     if args.spares < 0:
         raise UsageError("--spares must be >= 0")
     world = args.nnodes * args.nproc_per_node
@@ -204,7 +254,17 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         str(args.spare_wait),
         "--replicas",
         str(args.replicas),
+        "--min-ranks",
+        str(args.min_ranks),
+        "--max-ranks",
+        str(args.max_ranks),
+        "--scale-up-delay",
+        str(args.scale_up_delay),
+        "--graceful-timeout",
+        str(args.graceful_timeout),
     ]
+    if args.allowed_sizes:
+        cmd += ["--allowed-sizes", ",".join(map(str, args.allowed_sizes))]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + _COORDINATOR_START_S
     while not address_file.exists():
@@ -238,7 +298,12 @@ def _report_end(code: int, reason: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``p2p-run`` console script."""
+    """Entry point of the ``p2p-run`` console script (``p2p-run scale ...`` resizes a job)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["scale"]:
+        from launcher.scale import main as scale_main
+
+        return scale_main(argv[1:])
     coordinator = None
     try:
         args = build_parser().parse_args(argv)

@@ -130,9 +130,9 @@ class ControlClient:
 
     # -- training-thread API -------------------------------------------------------------------
 
-    def report_replicated(self, step: int) -> None:
-        """Tell the coordinator this rank has replicated ``step``."""
-        self._post(protocol.REPLICATED, {"step": int(step)})
+    def report_replicated(self, step: int, generation: int = 0) -> None:
+        """Tell the coordinator this rank has replicated ``step`` in ``generation``."""
+        self._post(protocol.REPLICATED, {"step": int(step), "generation": int(generation)})
 
     def report_error(self, reason: str, *, fatal: bool = False) -> None:
         """Report a failure of this rank.

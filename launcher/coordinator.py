@@ -26,19 +26,10 @@ from typing import Any
 import zmq
 
 from launcher import protocol
+from launcher.decisions import End, Event, Generation, Interrupt, Kill, Process, Send, SpawnSpare
 from launcher.events import EventLog
-from launcher.membership import (
-    End,
-    Event,
-    Generation,
-    Interrupt,
-    Kill,
-    Membership,
-    MembershipConfig,
-    Process,
-    Send,
-    SpawnSpare,
-)
+from launcher.membership import Membership, MembershipConfig
+from launcher.policy import ElasticConfig
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +194,18 @@ class Coordinator:
         elif msg.type == protocol.DONE:
             self._apply(self.membership.report_done(msg.sender))
         elif msg.type == protocol.REPLICATED:
-            self._apply(self.membership.report_replicated(msg.sender, int(body["step"])))
+            generation = body.get("generation")
+            self._apply(
+                self.membership.report_replicated(
+                    msg.sender, int(body["step"]), None if generation is None else int(generation)
+                )
+            )
+        elif msg.type == protocol.SCALE:
+            size = int(body["size"])
+            if not 1 <= size <= 1_000_000:
+                raise ValueError(f"world size {size} out of range")
+            self.events.write("scale_request", sender=msg.sender, size=size)
+            self._apply(self.membership.request_size(size, now))
         elif msg.type == protocol.ERROR:
             proc = self.membership.procs.get(msg.sender)
             reason = str(body.get("reason"))
@@ -310,6 +312,24 @@ class Coordinator:
         self.store = None
 
 
+def _elastic(args: argparse.Namespace) -> ElasticConfig | None:
+    """The elastic policy the flags describe; ``None`` for a job of a fixed size."""
+    world = args.world_size
+    low, high = args.min_ranks or world, args.max_ranks or world
+    if low == high == world and not args.allowed_sizes:
+        return None
+    return ElasticConfig(
+        min_ranks=low,
+        max_ranks=high,
+        allowed_sizes=tuple(int(x) for x in args.allowed_sizes.split(","))
+        if args.allowed_sizes
+        else None,
+        scale_up_delay_s=args.scale_up_delay,
+        scale_down_wait_s=args.spare_wait,
+        graceful_timeout_s=args.graceful_timeout,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m launcher.coordinator``: the coordinator process of a job."""
     p = argparse.ArgumentParser(prog="p2p-coordinator")
@@ -324,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ack-timeout", type=float, default=10.0)
     p.add_argument("--spare-wait", type=float, default=60.0)
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--min-ranks", type=int, default=None)
+    p.add_argument("--max-ranks", type=int, default=None)
+    p.add_argument("--allowed-sizes", default=None)
+    p.add_argument("--scale-up-delay", type=float, default=30.0)
+    p.add_argument("--graceful-timeout", type=float, default=60.0)
     p.add_argument("--no-store", action="store_true", help="do not host a TCPStore (no torch)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
@@ -343,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 ack_timeout_s=args.ack_timeout,
                 spare_wait_s=args.spare_wait,
                 replicas=args.replicas,
+                elastic=_elastic(args),
             ),
         )
     )

@@ -1,137 +1,62 @@
 """Membership and generations: the coordinator's decisions, as a pure state machine.
 
 Inputs are events with the time they happened (a process said hello, heartbeat, a process
-exited or was reported faulty, an acknowledgement, a replication report, a clock tick); outputs
-are actions for the shell around it to carry out (send a generation to its members, kill a
-process, start a spare, end the job) and events for the log. No sockets, no clocks, no threads:
-every decision is a function of what came in, and is tested that way.
+exited or was reported faulty, an acknowledgement, a replication report, an operator's resize
+request, a clock tick); outputs are actions for the shell around it to carry out (send a
+generation to its members, kill a process, start a spare, end the job) and events for the log.
+No sockets, no clocks, no threads: every decision is a function of what came in, and is tested
+that way. *What* to do about lost ranks, idle spares and resize requests is the elastic policy's
+call (:mod:`launcher.policy`); this module keeps the books and turns its decisions into
+generations.
 
-A generation is the unit of membership change. On a fault the lost ranks get spares, the
-generation number goes up, and one message tells every member everything: the rank map, who
-replaces whom, the store prefix, the committed step. A member that does not acknowledge within
-``ack_timeout_s`` is itself a fault, and a fault while a generation is pending starts the next.
+A generation is the unit of membership change. On a fault the lost ranks get spares (or, with no
+spare in time, the job shrinks if it is elastic, or stops with a checkpoint if not), the
+generation number goes up, and one message tells every member everything: the rank and node
+maps, who replaces whom, the store prefix, the committed step. A member that does not
+acknowledge within ``ack_timeout_s`` is itself a fault, and a fault while a generation is pending
+starts the next. A resize nothing forces (growing into spares, giving ranks back) is *graceful*:
+members finish their step and switch at the next commit of replication, so no step is lost.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from launcher.decisions import (
+    End,
+    Event,
+    Generation,
+    Interrupt,
+    Kill,
+    Process,
+    Send,
+    SpawnSpare,
+)
+from launcher.policy import (
+    Capacity,
+    ElasticConfig,
+    Fail,
+    Hold,
+    PolicyState,
+    Replace,
+    Resize,
+    decide,
+)
 from p2p_state.placement import place
 
-
-@dataclass(frozen=True, slots=True)
-class Process:
-    """A process the control plane knows: a rank, a spare or a node agent."""
-
-    identity: str
-    role: str
-    node: int
-    pid: int
-
-
-@dataclass(frozen=True, slots=True)
-class Generation:
-    """One membership: the message every member of it receives."""
-
-    generation: int
-    world_size: int
-    ranks: dict[int, str]
-    """rank -> identity of the process holding it."""
-    nodes: dict[int, int]
-    """rank -> node of that process (failure domains for replica placement)."""
-    replaced: dict[int, list[str]]
-    """rank -> [old identity, new identity] for ranks that changed process."""
-    lost: list[int]
-    """Ranks whose process was lost in this change (their state must come from replicas)."""
-    committed_step: int
-    store_prefix: str
-    holders: dict[int, list[int]]
-    """The replica map: rank -> ranks holding a copy of its shard (``p2p_state.place``)."""
-    directive: str = "train"
-    """``train``, or ``checkpoint``: restore, write a cold checkpoint and stop (the job ends)."""
-    reason: str = ""
-    renumbered: bool = False
-    """Ranks moved or the world size changed: every member needs the full maps."""
-    ack_timeout_s: float = 10.0
-    """How long members have to acknowledge it (they bound their joining by half of it)."""
-
-    def to_body(self, full: bool = True) -> dict[str, Any]:
-        """msgpack-able form (map keys become strings).
-
-        ``full=False`` is for members that already hold the previous generation's map: the rank
-        and node maps then list only the ranks that changed (a few bytes instead of tens of KB
-        at 2,048 ranks). Newcomers (spares taking a rank) get the full maps.
-        """
-        full = full or self.renumbered
-        changed = set(self.replaced) if not full else set(self.ranks)
-        return {
-            "directive": self.directive,
-            "reason": self.reason,
-            "ack_timeout_s": self.ack_timeout_s,
-            "generation": self.generation,
-            "world_size": self.world_size,
-            "full": full,
-            "ranks": {str(r): i for r, i in self.ranks.items() if r in changed},
-            "nodes": {str(r): n for r, n in self.nodes.items() if r in changed},
-            "replaced": {str(r): v for r, v in self.replaced.items()},
-            "lost": self.lost,
-            "committed_step": self.committed_step,
-            "store_prefix": self.store_prefix,
-            "holders": {str(r): h for r, h in self.holders.items() if r in changed},
-        }
-
-
-# Actions for the shell.
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send the generation to these identities."""
-
-    to: tuple[str, ...]
-    generation: Generation
-
-
-@dataclass(frozen=True, slots=True)
-class Kill:
-    """Have the agent of ``node`` kill a process (hung, straggler, or superseded)."""
-
-    node: int
-    identity: str
-    pid: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class SpawnSpare:
-    """Have the agent of ``node`` start a new spare."""
-
-    node: int
-
-
-@dataclass(frozen=True, slots=True)
-class Interrupt:
-    """Tell these identities their generation is broken; the next one comes within ``wait_s``."""
-
-    to: tuple[str, ...]
-    generation: int
-    lost: tuple[int, ...]
-    wait_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class End:
-    """The job is over: ``code`` 0 when every rank finished, non-zero on failure."""
-
-    code: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """A decision for the JSON-lines event log."""
-
-    name: str
-    fields: dict[str, Any] = field(default_factory=dict)
+__all__ = [
+    "End",
+    "Event",
+    "Generation",
+    "Interrupt",
+    "Kill",
+    "Membership",
+    "MembershipConfig",
+    "Process",
+    "Send",
+    "SpawnSpare",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,18 +64,22 @@ class MembershipConfig:
     """Sizes and deadlines of a job's membership."""
 
     world_size: int
+    """Ranks the job starts with."""
     ranks_per_node: int
     heartbeat_timeout_s: float = 3.0
     """Silence after which a process (or a whole node, for an agent) is declared lost."""
     ack_timeout_s: float = 10.0
     """Time members have to acknowledge a new generation before stragglers are faults."""
     spare_wait_s: float = 60.0
-    """With no spare left, how long a lost rank may wait for one before the job fails."""
+    """With no spare left, how long a lost rank may wait for one (or come back) before the job
+    shrinks (elastic) or stops with a checkpoint."""
     replicas: int = 1
     """Replication factor k of the data plane (for the replica map in every generation)."""
     stop_timeout_s: float = 300.0
     """When the job must stop (no spare in time), how long the survivors have to write their
     checkpoint before the job ends anyway."""
+    elastic: ElasticConfig | None = None
+    """Bounds and timings of resizing; ``None``: the world size never changes."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
@@ -166,6 +95,28 @@ class MembershipConfig:
         for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MembershipConfig.{name} must be > 0")
+        if self.elastic is not None:
+            if not self.elastic.min_ranks <= self.world_size <= self.elastic.max_ranks:
+                raise ValueError(
+                    f"the job starts with {self.world_size} ranks, outside --min-ranks "
+                    f"{self.elastic.min_ranks} .. --max-ranks {self.elastic.max_ranks}"
+                )
+            if self.elastic.min_ranks <= self.replicas and self.world_size > 1:
+                raise ValueError(
+                    f"--min-ranks {self.elastic.min_ranks} leaves no room for {self.replicas} "
+                    "replica(s) of every shard on other ranks; raise it above --replicas"
+                )
+
+    @property
+    def policy(self) -> ElasticConfig:
+        """The elastic policy; a fixed-size job is one whose only allowed size is its own."""
+        if self.elastic is not None:
+            return self.elastic
+        return ElasticConfig(
+            min_ranks=self.world_size,
+            max_ranks=self.world_size,
+            scale_down_wait_s=self.spare_wait_s,
+        )
 
 
 class Membership:
@@ -173,11 +124,9 @@ class Membership:
 
     def __init__(self, config: MembershipConfig) -> None:
         self.config = config
-        if config.world_size > 1:
-            placement = place(config.world_size, config.ranks_per_node, config.replicas)
-            self._replica_map = {r: list(h) for r, h in enumerate(placement.holders)}
-        else:
-            self._replica_map = {0: []}
+        self.policy = config.policy
+        self.policy_state = PolicyState.initial()
+        self.world_size = config.world_size
         self.generation = 0
         self.procs: dict[str, Process] = {}
         self.ranks: dict[int, str] = {}
@@ -192,21 +141,34 @@ class Membership:
         self.assigned: dict[int, list[str]] = {}
         """Ranks given to spares whose generation has not started yet: rank -> [old, new]."""
         self.pending: Generation | None = None
-        self.acks: set[str] = set()
         self.awaiting: set[str] = set()
         """Members of the pending generation that have not acknowledged it yet."""
         self.ack_deadline = 0.0
         self.vacant: dict[int, str] = {}
-        """Lost ranks still waiting for a spare -> the identity they had."""
-        self.vacant_since = 0.0
+        """Lost ranks not replaced yet -> the identity they had."""
+        self.vacant_since: dict[int, float] = {}
+        self.notified: set[int] = set()
+        """Vacant ranks whose fault the live ranks were already told about."""
+        self.requested_size: int | None = None
+        """A world size an operator asked for (``p2p-run scale``)."""
+        self.leaving: dict[str, float] = {}
+        """Ranks given back by a resize -> the time they are killed if still running."""
+        self.released: set[str] = set()
+        """Spares given back by a resize (not refilled)."""
+        self.switching: set[str] = set()
+        """Members of a graceful generation not yet seen replicating in it: no other resize
+        is decided until they have switched."""
+        self.refills: list[int] = []
+        """Nodes owed a new spare: started once the job is back (spare start-up competes
+        with the recovery for the node's CPU), or at once when a vacancy has no spare."""
+        self.refill_gate = -1
+        """Committed step at the last generation: refills wait until it advances."""
         self.ended = False
         self.gone: set[str] = set()
         """Identities already declared lost (their later exit reports change nothing)."""
         self.stopping: Generation | None = None
         """The final generation (checkpoint and stop) once the job must stop."""
         self.stop_deadline = 0.0
-        self.notified: set[int] = set()
-        """Vacant ranks whose fault the live ranks were already told about."""
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -217,7 +179,7 @@ class Membership:
         Kept per rank, not per process: a lost rank's last report still says which step its
         buddies hold, and that is the step its replacement restores.
         """
-        return min(self.replicated.get(r, -1) for r in range(self.config.world_size))
+        return min(self.replicated.get(r, -1) for r in range(self.world_size))
 
     def rank_of(self, identity: str) -> int | None:
         """The rank a process holds, if any."""
@@ -234,18 +196,17 @@ class Membership:
         self.procs[proc.identity] = proc
         self.last_seen[proc.identity] = now
         if proc.role == "rank" and rank is not None and self.generation == 0:
-            if not 0 <= rank < self.config.world_size or rank in self.ranks:
+            if not 0 <= rank < self.world_size or rank in self.ranks:
                 out.append(Event("rejected_rank", {"identity": proc.identity, "rank": rank}))
                 return out
             self.ranks[rank] = proc.identity
             out.append(Event("rank_joined", {"rank": rank, "identity": proc.identity}))
-            if len(self.ranks) == self.config.world_size:
+            if len(self.ranks) == self.world_size:
                 out += self._new_generation(lost=[], replaced={}, now=now)
         elif proc.role == "spare":
             self.spares.append(proc.identity)
             out.append(Event("spare_joined", {"identity": proc.identity, "node": proc.node}))
-            if self.vacant:
-                out += self._fill_vacancies(now)
+            out += self._decide(now)
         return out
 
     def heartbeat(self, identity: str, now: float) -> None:
@@ -262,29 +223,26 @@ class Membership:
         self.last_seen.pop(identity, None)
         return [Event("rank_done", {"rank": rank, "identity": identity})]
 
-    def _finish(self, rank: int, identity: str, failure: str | None = None) -> list[Any]:
-        self.finished.add(rank)
-        out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
-        if failure is not None:
-            self.failed_after_done.append(f"rank {rank} {failure}")
-        if len(self.finished) == self.config.world_size:
-            if self.failed_after_done:
-                out += self._end(
-                    1, "the training completed, but " + "; ".join(self.failed_after_done)
-                )
-            else:
-                out += self._end(0, "every rank finished")
-        return out
-
-    def report_replicated(self, identity: str, step: int) -> list[Any]:
-        """A rank finished replicating ``step``; the committed step may advance."""
+    def report_replicated(
+        self, identity: str, step: int, generation: int | None = None
+    ) -> list[Any]:
+        """A rank finished replicating ``step`` (in ``generation``); the committed step may
+        advance, and a graceful switch is confirmed once every member replicates in it."""
+        if generation is not None and generation >= self.generation:
+            self.switching.discard(identity)
         rank = self.rank_of(identity)
         if rank is None or step <= self.replicated.get(rank, -1):
             return []
         before = self.committed_step
         self.replicated[rank] = step
         after = self.committed_step
-        return [Event("committed", {"step": after})] if after > before else []
+        out: list[Any] = [Event("committed", {"step": after})] if after > before else []
+        return out + self._release_refills(force=False)
+
+    def request_size(self, size: int, now: float) -> list[Any]:
+        """An operator asked for ``size`` ranks (to give some back, or to grow into spares)."""
+        self.requested_size = size
+        return [Event("scale_requested", {"size": size}), *self._decide(now)]
 
     def exited(self, identity: str, code: int, now: float, rank: int | None = None) -> list[Any]:
         """A process ended (seen by its agent). Code 0 from a rank means it finished.
@@ -305,13 +263,14 @@ class Membership:
                     "engine, so it cannot be recovered in process",
                 )
             return self._finish(rank, identity)
+        if identity in self.leaving or identity in self.released:
+            self._forget(identity)
+            return [Event("process_left", {"identity": identity, "code": code})]
         rank = self.rank_of(identity)
         if self.stopping is not None:
             return self._stopped_one(identity)
         if rank is not None and (code == 0 or identity in self.done):
-            self.procs.pop(identity, None)
-            self.last_seen.pop(identity, None)
-            self.gone.add(identity)
+            self._forget(identity)
             return self._finish(rank, identity, None if code == 0 else f"exited with code {code}")
         return self.fault(identity, f"exited with code {code}", now)
 
@@ -319,47 +278,15 @@ class Membership:
         """A process is lost (crashed, hung, reported a collective failure, straggled).
 
         A lost agent is a lost node: every process it started is lost with it, and all the
-        node's ranks are replaced in one generation.
+        node's ranks are handled in one decision.
         """
         out = self._lose(identity, reason, now)
-        return out + self._fill_vacancies(now) if out else out
-
-    def _lose(self, identity: str, reason: str, now: float) -> list[Any]:
-        proc = self.procs.pop(identity, None)
-        self.last_seen.pop(identity, None)
-        if proc is None or self.ended:
-            return []
-        if self.stopping is not None:  # no more generations: a loss only counts as an exit
-            return [Event("fault", {"identity": identity, "reason": reason})] + (
-                self._stopped_one(identity) if proc.role != "agent" else []
-            )
-        self.gone.add(identity)
-        self.awaiting.discard(identity)  # a lost member is no longer awaited
-        out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
-        if proc.role == "agent":
-            for other in [p for p in self.procs.values() if p.node == proc.node]:
-                out += self._lose(other.identity, f"node {proc.node} lost ({reason})", now)
-            return out
-        if identity in self.spares:
-            self.spares.remove(identity)
-            return [*out, SpawnSpare(proc.node)]
-        rank = self.rank_of(identity)
-        if rank is None or rank in self.finished:
-            return out
-        if self.done:
-            # Others completed the training and are leaving: there is no job left to rejoin.
-            return out + self._finish(rank, identity, f"was lost ({reason})")
-        del self.ranks[rank]
-        if not self.vacant:
-            self.vacant_since = now
-        self.vacant[rank] = identity
-        return out
+        return out + self._decide(now) if out else out
 
     def ack(self, identity: str, generation: int, now: float) -> list[Any]:
         """A member acknowledged a generation."""
         if self.pending is None or generation != self.pending.generation:
             return []
-        self.acks.add(identity)
         self.awaiting.discard(identity)
         if not self.awaiting:  # O(1) per ack: 2,048 acks must not cost 2,048^2 set operations
             g = self.pending
@@ -368,7 +295,7 @@ class Membership:
         return []
 
     def tick(self, now: float) -> list[Any]:
-        """Check every deadline: heartbeats, acknowledgements, waiting for spares."""
+        """Check every deadline: heartbeats, acknowledgements, leavers, the policy's timers."""
         out: list[Any] = []
         timeout = self.config.heartbeat_timeout_s
         for identity, seen in sorted(self.last_seen.items()):
@@ -385,58 +312,142 @@ class Membership:
                 if proc is not None:
                     out.append(Kill(proc.node, identity, proc.pid, "did not acknowledge"))
                     out += self._lose(identity, "did not acknowledge in time", now)
-        if any(isinstance(a, Event) and a.name == "fault" for a in out):
-            out += self._fill_vacancies(now)  # everything lost in this tick: one generation
-        if (
-            self.vacant
-            and not self.ended
-            and self.stopping is None
-            and now - self.vacant_since > self.config.spare_wait_s
-        ):
-            out += self._stop(
-                f"no spare for ranks {sorted(self.vacant)} within {self.config.spare_wait_s:.0f}s "
-                "(--spare-wait); add spares with --spares",
-                now,
-            )
+        for identity, deadline in sorted(self.leaving.items()):
+            proc = self.procs.get(identity)
+            if now > deadline and proc is not None:
+                out.append(Kill(proc.node, identity, proc.pid, "given back and still running"))
+                self.leaving[identity] = float("inf")
+        out += self._decide(now)
         if self.stopping is not None and not self.ended and now > self.stop_deadline:
             out += self._end(
                 1, f"{self.stopping.reason} (the stop checkpoint did not finish in time)"
             )
         return out
 
-    # -- internals -----------------------------------------------------------------------------
+    def end(self, code: int, reason: str) -> list[Any]:
+        """End the job (a fatal report from a rank); nothing happens if it already ended."""
+        return self._end(code, reason)
 
-    def _fill_vacancies(self, now: float) -> list[Any]:
-        if self.stopping is not None:
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _decide(self, now: float) -> list[Any]:
+        """Ask the elastic policy what to do with the vacancies, spares and requests now."""
+        if self.ended or self.stopping is not None or self.done or self.generation == 0:
             return []
+        requested = self.requested_size
+        if self.switching and not self.vacant:
+            return []  # one graceful resize at a time: wait until its members have switched
+        capacity = Capacity(
+            world_size=self.world_size,
+            active={r: self.procs[i].node for r, i in self.ranks.items()},
+            vacant={r: self.vacant_since[r] for r in self.vacant},
+            spares={s: self.procs[s].node for s in self.spares},
+            requested_size=requested,
+        )
+        decision, self.policy_state = decide(self.policy, self.policy_state, capacity, now)
+        if isinstance(decision, Replace):
+            return self._replace(decision.assignments, now)
+        if isinstance(decision, Resize):
+            return self._resize(decision, now)
+        if isinstance(decision, Fail):
+            reason = decision.reason
+            if self.config.elastic is None:
+                reason = (
+                    f"no spare for ranks {sorted(self.vacant)} within "
+                    f"{self.config.spare_wait_s:.0f}s (--spare-wait); add spares with --spares, "
+                    "or let the job shrink (--min-ranks)"
+                )
+            return self._stop(reason, now)
+        assert isinstance(decision, Hold)
+        return self._notify(decision, now)
+
+    def _replace(self, assignments: dict[int, str], now: float) -> list[Any]:
         out: list[Any] = []
-        for rank in sorted(self.vacant):
-            if not self.spares:
-                out.append(Event("waiting_for_spare", {"rank": rank}))
-                continue
-            spare = self.spares.pop(0)
+        for rank, spare in sorted(assignments.items()):
+            self.spares.remove(spare)
             self.ranks[rank] = spare
             self.assigned[rank] = [self.vacant.pop(rank), spare]
+            self.vacant_since.pop(rank)
             out.append(Event("spare_assigned", {"rank": rank, "identity": spare}))
-            out.append(SpawnSpare(self.procs[spare].node))
+            self.refills.append(self.procs[spare].node)
         if self.assigned and not self.vacant:
             # Every vacancy has its spare: one generation with every replacement made since
             # the last one (spares may have arrived one by one).
             replaced, self.assigned = self.assigned, {}
             out += self._new_generation(lost=sorted(replaced), replaced=replaced, now=now)
+        out += self._release_refills(force=bool(self.vacant))
+        if self.vacant and not self.spares:
+            out += self._decide(now)  # the rest waits: tell the live ranks now
+        return out
+
+    def _notify(self, hold: Hold, now: float) -> list[Any]:
+        """Vacancies that must wait: stop the live ranks now and tell them for how long."""
         fresh = sorted(set(self.vacant) - self.notified)
-        if fresh and self.ranks:
-            # No spare yet: stop the survivors now (their collectives would otherwise wait on
-            # the lost rank) and tell them how long the next generation may take.
-            self.notified.update(fresh)
-            out.append(
-                Interrupt(
-                    tuple(self.ranks.values()),
-                    self.generation,
-                    tuple(sorted(self.vacant)),
-                    self.config.spare_wait_s,
-                )
+        if not fresh or not self.ranks:
+            return []
+        # Their collectives would otherwise wait on the lost rank until they time out.
+        self.notified.update(fresh)
+        wait_s = (hold.until - now if hold.until is not None else self.config.spare_wait_s) + (
+            self.config.ack_timeout_s
+        )
+        out: list[Any] = [Event("waiting_for_spare", {"rank": r}) for r in fresh]
+        out.append(
+            Interrupt(
+                tuple(self.ranks.values()), self.generation, tuple(sorted(self.vacant)), wait_s
             )
+        )
+        return out + self._release_refills(force=True)
+
+    def _resize(self, resize: Resize, now: float) -> list[Any]:
+        """Shrink or grow: survivors keep their order and are numbered from 0, joiners follow."""
+        leaving = [self.ranks[r] for r in resize.leaving]
+        survivors = [i for r, i in sorted(self.ranks.items()) if r not in resize.leaving]
+        for spare in resize.joining:
+            self.spares.remove(spare)
+        out: list[Any] = [
+            Event(
+                "resize",
+                {
+                    "from": self.world_size,
+                    "to": resize.target,
+                    "graceful": resize.graceful,
+                    "reason": resize.reason,
+                    "leaving": leaving,
+                    "joining": list(resize.joining),
+                },
+            )
+        ]
+        for spare in resize.released_spares:
+            self.spares.remove(spare)
+            self.released.add(spare)
+            proc = self.procs[spare]
+            out.append(Kill(proc.node, spare, proc.pid, "released: the job shrank"))
+        lost = sorted(self.vacant)
+        committed = self.committed_step
+        self.ranks = dict(enumerate([*survivors, *resize.joining]))
+        self.world_size = resize.target
+        self.replicated = dict.fromkeys(range(resize.target), committed)
+        self.vacant.clear()
+        self.vacant_since.clear()
+        self.assigned.clear()
+        if self.requested_size is not None and self.requested_size == resize.target:
+            self.requested_size = None
+        grace = resize.graceful_timeout_s if resize.graceful else self.config.ack_timeout_s
+        for identity in leaving:
+            self.leaving[identity] = now + grace
+        first_new = self.world_size - len(resize.joining)
+        joined = {first_new + i: ["", s] for i, s in enumerate(resize.joining)}
+        out += self._new_generation(
+            lost=lost,
+            replaced=joined,
+            now=now,
+            reason=resize.reason,
+            graceful=resize.graceful,
+            also_to=tuple(leaving),
+            renumbered=True,
+        )
+        if resize.graceful:
+            self.switching = set(self.ranks.values())
         return out
 
     def _stop(self, reason: str, now: float) -> list[Any]:
@@ -450,16 +461,83 @@ class Membership:
         if not survivors:
             return self._end(1, reason)
         self.ranks = dict(enumerate(survivors))
+        self.world_size = len(survivors)
         lost = sorted(self.vacant)
         self.vacant.clear()
+        self.vacant_since.clear()
         self.assigned.clear()
         out = [Event("job_stopping", {"reason": reason, "survivors": len(survivors)})]
         out += self._new_generation(
-            lost=lost, replaced={}, now=now, directive="checkpoint", reason=reason
+            lost=lost, replaced={}, now=now, directive="checkpoint", reason=reason, renumbered=True
         )
         self.stopping = self.pending
         self.stop_deadline = now + self.config.stop_timeout_s
         self.awaiting = set()  # members exit when done; their exits end the job
+        return out
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _lose(self, identity: str, reason: str, now: float) -> list[Any]:
+        proc = self.procs.pop(identity, None)
+        self.last_seen.pop(identity, None)
+        if proc is None or self.ended:
+            return []
+        if self.stopping is not None:  # no more generations: a loss only counts as an exit
+            return [Event("fault", {"identity": identity, "reason": reason})] + (
+                self._stopped_one(identity) if proc.role != "agent" else []
+            )
+        self.gone.add(identity)
+        self.awaiting.discard(identity)  # a lost member is no longer awaited
+        self.switching.discard(identity)
+        if identity in self.leaving or identity in self.released:
+            self.leaving.pop(identity, None)
+            return [Event("process_left", {"identity": identity, "reason": reason})]
+        out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
+        if proc.role == "agent":
+            for other in [p for p in self.procs.values() if p.node == proc.node]:
+                out += self._lose(other.identity, f"node {proc.node} lost ({reason})", now)
+            return out
+        if identity in self.spares:
+            self.spares.remove(identity)
+            self.refills.append(proc.node)
+            return out + self._release_refills(force=True)
+        rank = self.rank_of(identity)
+        if rank is None or rank in self.finished:
+            return out
+        if self.done:
+            # Others completed the training and are leaving: there is no job left to rejoin.
+            return out + self._finish(rank, identity, f"was lost ({reason})")
+        del self.ranks[rank]
+        self.assigned.pop(rank, None)
+        self.vacant[rank] = identity
+        self.vacant_since[rank] = now
+        return out
+
+    def _release_refills(self, force: bool) -> list[Any]:
+        """Start the spares owed, once the job replicates again (or at once when forced)."""
+        if not self.refills or not (force or self.committed_step > self.refill_gate):
+            return []
+        nodes, self.refills = self.refills, []
+        return [SpawnSpare(node) for node in nodes]
+
+    def _forget(self, identity: str) -> None:
+        self.procs.pop(identity, None)
+        self.last_seen.pop(identity, None)
+        self.leaving.pop(identity, None)
+        self.gone.add(identity)
+
+    def _finish(self, rank: int, identity: str, failure: str | None = None) -> list[Any]:
+        self.finished.add(rank)
+        out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
+        if failure is not None:
+            self.failed_after_done.append(f"rank {rank} {failure}")
+        if len(self.finished) == self.world_size:
+            if self.failed_after_done:
+                out += self._end(
+                    1, "the training completed, but " + "; ".join(self.failed_after_done)
+                )
+            else:
+                out += self._end(0, "every rank finished")
         return out
 
     def _stopped_one(self, identity: str) -> list[Any]:
@@ -477,37 +555,57 @@ class Membership:
         now: float,
         directive: str = "train",
         reason: str = "",
+        graceful: bool = False,
+        also_to: tuple[str, ...] = (),
+        renumbered: bool = False,
     ) -> list[Any]:
         self.generation += 1
-        world = len(self.ranks) if directive == "checkpoint" else self.config.world_size
+        world = self.world_size
+        nodes = {r: self.procs[i].node for r, i in sorted(self.ranks.items())}
+        k = min(self.config.replicas, world - 1)
+        holders = (
+            {
+                r: list(h)
+                for r, h in enumerate(
+                    place(
+                        world, self.config.ranks_per_node, k, [nodes[r] for r in range(world)]
+                    ).holders
+                )
+            }
+            if k >= 1
+            else {r: [] for r in range(world)}
+        )
         gen = Generation(
             generation=self.generation,
             world_size=world,
             ranks=dict(sorted(self.ranks.items())),
-            nodes={r: self.procs[i].node for r, i in sorted(self.ranks.items())},
+            nodes=nodes,
             replaced=replaced,
             lost=lost,
             committed_step=self.committed_step,
             store_prefix=f"gen{self.generation}/",
-            holders=self._replica_map if world == self.config.world_size else {},
+            holders=holders,
+            replicas=k,
+            ranks_per_node=self.config.ranks_per_node,
             directive=directive,
             reason=reason,
-            renumbered=world != self.config.world_size,
+            renumbered=renumbered,
+            graceful=graceful,
             ack_timeout_s=self.config.ack_timeout_s,
         )
         superseded = self.pending
         self.pending = gen
-        self.acks = set()
         self.awaiting = set(gen.ranks.values())
         self.ack_deadline = now + self.config.ack_timeout_s
-        fields = {"generation": gen.generation, "lost": lost, "replaced": replaced}
+        self.notified.clear()
+        self.switching.clear()
+        self.refill_gate = self.committed_step
+        fields: dict[str, Any] = {"generation": gen.generation, "lost": lost, "replaced": replaced}
         if superseded is not None:
             fields["supersedes"] = superseded.generation
-        return [Event("generation_started", fields), Send(tuple(gen.ranks.values()), gen)]
-
-    def end(self, code: int, reason: str) -> list[Any]:
-        """End the job (a fatal report from a rank); nothing happens if it already ended."""
-        return self._end(code, reason)
+        if world != self.config.world_size:
+            fields["world_size"] = world
+        return [Event("generation_started", fields), Send((*gen.ranks.values(), *also_to), gen)]
 
     def _end(self, code: int, reason: str) -> list[Any]:
         if self.ended:

@@ -52,10 +52,11 @@ ENV_AGENT_PID = "P2P_AGENT_PID"
 # Message types.
 HELLO = "hello"  # any process -> coordinator: identity, role, node, pid
 HEARTBEAT = "heartbeat"
-REPLICATED = "replicated"  # rank: {"step"}
+REPLICATED = "replicated"  # rank: {"step", "generation"}
 ERROR = "error"  # rank: {"reason"} (a collective failed or timed out)
 ACK = "ack"  # rank/spare: {"generation"}
 DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now)
+SCALE = "scale"  # operator (p2p-run scale): {"size"}: the world size the job should have
 EXITED = "exited"  # agent: {"identity", "pid", "code"}
 GENERATION = "generation"  # coordinator -> ranks and assigned spares (see launcher.client)
 KILL = "kill"  # coordinator -> agent: {"identity", "pid", "reason"}
@@ -73,6 +74,7 @@ TYPES = frozenset(
         ERROR,
         ACK,
         DONE,
+        SCALE,
         EXITED,
         GENERATION,
         KILL,

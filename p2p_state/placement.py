@@ -1,8 +1,10 @@
 """Buddy placement: which ranks hold a copy of each rank's shard.
 
-A pure function of (world size, ranks per node, replication factor k). Ranks are numbered node by
-node (ranks ``[n * ranks_per_node, (n + 1) * ranks_per_node)`` live on node ``n``), as torchrun and
-``p2p-run`` number them. The last node may be smaller after a resize.
+A pure function of (world size, ranks per node, replication factor k, and optionally the node of
+every rank). By default ranks are numbered node by node (ranks ``[n * ranks_per_node,
+(n + 1) * ranks_per_node)`` live on node ``n``), as torchrun and ``p2p-run`` number them at the
+start; after spares took lost ranks' places or a resize renumbered the ranks, the coordinator
+passes the real node of every rank.
 
 The placement walks a ring in which the nodes are interleaved (local rank 0 of every node, then
 local rank 1 of every node, ...), so a rank's ring successors sit on other nodes. For each shard it
@@ -21,6 +23,7 @@ a node with the shard it protects. Shapes that cannot survive a node loss are re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -37,14 +40,18 @@ class Placement:
     k: int
     holders: tuple[tuple[int, ...], ...]
     """``holders[owner]``: the ranks holding a copy of ``owner``'s shard, in preference order."""
+    nodes: tuple[int, ...] | None = None
+    """``nodes[rank]``: the node of every rank, when they are not numbered node by node."""
 
     def node_of(self, rank: int) -> int:
         """The node a rank lives on."""
-        return rank // self.ranks_per_node
+        return self.nodes[rank] if self.nodes is not None else rank // self.ranks_per_node
 
     @property
     def num_nodes(self) -> int:
         """Number of nodes (the last one may be partial)."""
+        if self.nodes is not None:
+            return len(set(self.nodes))
         return -(-self.world_size // self.ranks_per_node)
 
     @cached_property
@@ -89,23 +96,27 @@ class Placement:
         return out
 
 
-def _ring_order(world_size: int, ranks_per_node: int) -> list[int]:
-    """Ranks with nodes interleaved: local rank 0 of every node, then local rank 1, ..."""
-    return [
-        node * ranks_per_node + local
-        for local in range(ranks_per_node)
-        for node in range(-(-world_size // ranks_per_node))
-        if node * ranks_per_node + local < world_size
-    ]
+def _ring_order(nodes: Sequence[int]) -> list[int]:
+    """Ranks with nodes interleaved: the first rank of every node, then the second, ..."""
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    groups = [by_node[n] for n in sorted(by_node)]
+    depth = max(len(g) for g in groups)
+    return [g[i] for i in range(depth) for g in groups if i < len(g)]
 
 
-def place(world_size: int, ranks_per_node: int, k: int = 1) -> Placement:
+def place(
+    world_size: int, ranks_per_node: int, k: int = 1, nodes: Sequence[int] | None = None
+) -> Placement:
     """Choose the k holders of every rank's shard.
 
     Args:
         world_size: Number of training ranks.
         ranks_per_node: Ranks per node (the last node may hold fewer).
         k: Replication factor: copies of each shard besides the owner's own.
+        nodes: ``nodes[rank]``: the node of every rank, when ranks are not numbered node by
+            node (spares in lost ranks' places, a renumbered world after a resize).
 
     Returns:
         The placement; see the module docstring for its properties.
@@ -124,13 +135,16 @@ def place(world_size: int, ranks_per_node: int, k: int = 1) -> Placement:
             f"replication factor k={k} needs at least k+1={k + 1} ranks, world_size={world_size}; "
             "lower k or add ranks"
         )
-    ring = _ring_order(world_size, ranks_per_node)
+    if nodes is not None and len(nodes) != world_size:
+        raise ValueError(f"nodes names {len(nodes)} ranks, world_size={world_size}")
+    node_of = list(nodes) if nodes is not None else [r // ranks_per_node for r in range(world_size)]
+    ring = _ring_order(node_of)
     pos = {r: i for i, r in enumerate(ring)}
     load = [0] * world_size
     holders: list[tuple[int, ...]] = [()] * world_size
 
     for owner in ring:
-        owner_node = owner // ranks_per_node
+        owner_node = node_of[owner]
         chosen: list[int] = []
         used_nodes = {owner_node}
         for _ in range(k):
@@ -139,7 +153,7 @@ def place(world_size: int, ranks_per_node: int, k: int = 1) -> Placement:
                 cand = ring[(pos[owner] + step) % world_size]
                 if cand in chosen:
                     continue
-                node = cand // ranks_per_node
+                node = node_of[cand]
                 under_cap = load[cand] < k
                 if node not in used_nodes:
                     tier = 0 if under_cap else 1
@@ -153,7 +167,9 @@ def place(world_size: int, ranks_per_node: int, k: int = 1) -> Placement:
                         break
             assert best >= 0, "k < world_size guarantees a candidate"
             chosen.append(best)
-            used_nodes.add(best // ranks_per_node)
+            used_nodes.add(node_of[best])
             load[best] += 1
         holders[owner] = tuple(chosen)
-    return Placement(world_size, ranks_per_node, k, tuple(holders))
+    return Placement(
+        world_size, ranks_per_node, k, tuple(holders), tuple(nodes) if nodes is not None else None
+    )

@@ -211,6 +211,10 @@ class Replicator:
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._committed = -1
+        self.signal = 0
+        """A number every rank contributes to each round's commit; the round agrees on the
+        largest (e.g. a generation to switch to at a step boundary)."""
+        self._agreed: dict[int, int] = {}
         self._failure: BaseException | None = None
         self._queue: queue.Queue[_Round | None] = queue.Queue()
         self.stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
@@ -277,6 +281,12 @@ class Replicator:
         """Wait until every queued round is committed; returns the committed step."""
         self._wait_idle(timeout_s)
         return self._committed
+
+    def agreed_signal(self, step: int) -> int | None:
+        """The largest :attr:`signal` any rank gave the round of ``step`` (None if that round
+        has not committed here). Every rank reads the same value for the same round."""
+        with self._lock:
+            return self._agreed.get(step)
 
     @property
     def committed_step(self) -> int:
@@ -418,12 +428,18 @@ class Replicator:
         return header
 
     def _commit(self, step: int) -> None:
-        t = torch.tensor([step], dtype=torch.int64, device=self._wire_device)
+        # One all-reduce commits the step (MIN) and agrees on the signal (MAX, as MIN of the
+        # negation): every rank gets the same answer for this round.
+        t = torch.tensor([step, -self.signal], dtype=torch.int64, device=self._wire_device)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         if not work.wait(timeout=timedelta(seconds=self.config.timeout_s)):
             raise ReplicationError(f"commit barrier of step {step} timed out")
+        committed, agreed = (int(x) for x in t.tolist())
         with self._lock:
-            self._committed = int(t.item())
+            self._committed = committed
+            self._agreed[step] = -agreed
+            for old in [s for s in self._agreed if s < step - 8]:
+                del self._agreed[old]
         if self._on_replicated is not None:
             self._on_replicated(self._committed)
 

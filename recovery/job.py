@@ -227,6 +227,7 @@ class ProtectedJob:
         self._first_step_pending: RecoveryRecord | None = None
         self._initial_rng: dict[str, Any] = {}
         self._source = None
+        self._last_replicated = -1
         self._initial_loader: dict[str, Any] | None = None
 
     # -- public --------------------------------------------------------------------------------
@@ -347,7 +348,11 @@ class ProtectedJob:
             self.loader.set_world(dist.get_world_size(), dist.get_rank())
 
     def _finish_step(self, step: int) -> None:
-        self.replicator.replicate(step, self._extras())
+        # A graceful resize (growing into spares, giving ranks back) is agreed on through the
+        # commit of replication, so every rank switches after the same step and none is lost.
+        self.replicator.signal = self._session.pending_graceful()
+        previous = self._last_replicated
+        took = self.replicator.replicate(step, self._extras())
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(step, self._extras())
         self.step_done = step
@@ -368,6 +373,13 @@ class ProtectedJob:
             )
         if dist.get_rank() == 0:
             self._session.event("step_done", step=step)
+        if took:
+            self._last_replicated = step
+            # replicate() waited for the previous round: its agreement is known on every rank.
+            target = self.replicator.agreed_signal(previous) if previous >= 0 else None
+            if target and target > self.generation:
+                self.replicator.flush()  # this step is committed everywhere: nothing is lost
+                self._switch(step)
 
     # -- starting ------------------------------------------------------------------------------
 
@@ -409,6 +421,7 @@ class ProtectedJob:
         self.replicator = rep
         self._stores.insert(0, rep)
         self._restored_step = step
+        self._last_replicated = step
         ckpt = self.config.checkpoint
         self.checkpointer = (
             ColdCheckpointer(ckpt, self.state, group=self._checkpoint_group()) if ckpt else None
@@ -512,6 +525,33 @@ class ProtectedJob:
                     store.abandon()
                 caught_t = time.monotonic()
                 cause = e
+
+    def _switch(self, step: int) -> None:
+        """Move to the graceful generation agreed on, after ``step`` committed everywhere."""
+        t0 = time.monotonic()
+        info = self._session.next_generation(self.config.fault_wait_s, after=self.generation)
+        rec = RecoveryRecord(info.generation, "resize", started_t=t0)
+        for store in self._stores:
+            store.abandon()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self.checkpointer = None
+        try:
+            with self._phase(rec, "communicators"):
+                self._session.join(info)
+            self._restore_into(info, rec)
+        except NotAMember:
+            logger.info(
+                "%s was given back by generation %d: leaving",
+                self._session.identity,
+                info.generation,
+            )
+            self._shutdown()
+            raise SystemExit(0) from None
+        except BaseException as e:
+            if not self._is_fault(e):
+                raise
+            self._recover(e)
 
     def _restore_into(self, info: GenerationInfo, rec: RecoveryRecord) -> None:
         """The restore protocol of one generation; every member runs it together."""
@@ -672,7 +712,7 @@ class ProtectedJob:
 
     def _on_replicated(self, step: int) -> None:
         if self._session.client is not None:
-            self._session.client.report_replicated(step)
+            self._session.client.report_replicated(step, self.generation)
 
     def _on_chunk(self, step: int, round_: int, num_rounds: int) -> None:
         self._call_hooks("replication_chunk", step=step, round=round_, num_rounds=num_rounds)

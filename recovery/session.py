@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from launcher.client import ClientConfig, ControlClient
+from p2p_state.placement import place
 from recovery.comms import Comms, CommsSpec, Interrupted, create_comms
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,11 @@ class GenerationInfo:
     """``train`` (carry on), or ``checkpoint`` (restore, write a cold checkpoint and stop)."""
     ack_timeout_s: float
     """The coordinator's deadline for acknowledging this generation."""
+    graceful: bool
+    """Members finish their step and switch at the next commit of replication (a resize
+    nothing forces); otherwise the step in flight is abandoned at once."""
+    replicas: int
+    """Replication factor k."""
     reason: str
     arrived_t: float
     """``time.monotonic()`` when it arrived."""
@@ -109,6 +115,7 @@ class Session:
         self._cond = threading.Condition()
         self._generations: dict[int, GenerationInfo] = {}
         self._latest = 0
+        self._latest_urgent = 0
         self._notice: dict[str, Any] | None = None
         self._shutdown: dict[str, Any] | None = None
         self.client: ControlClient | None = None
@@ -141,29 +148,47 @@ class Session:
             prev = self._generations.get(self._latest)
             ranks = {} if body.get("full", True) or prev is None else dict(prev.ranks)
             nodes = {} if body.get("full", True) or prev is None else dict(prev.nodes)
-            holders = {} if body.get("full", True) or prev is None else dict(prev.holders)
             ranks.update({int(r): str(i) for r, i in body["ranks"].items()})
             nodes.update({int(r): int(n) for r, n in body["nodes"].items()})
-            holders.update({int(r): tuple(int(x) for x in h) for r, h in body["holders"].items()})
             world = int(body["world_size"])
-            self._generations[g] = GenerationInfo(
+            ranks = {r: i for r, i in ranks.items() if r < world}
+            nodes = {r: n for r, n in nodes.items() if r < world}
+            k = int(body.get("replicas", 1))
+            holders: dict[int, tuple[int, ...]] = {}
+            if 1 <= k < world and len(nodes) == world:
+                # The replica map is a pure function of the node map: every rank and the
+                # coordinator compute the same one.
+                rpn = int(body.get("ranks_per_node", 1))
+                placement = place(world, rpn, k, [nodes[r] for r in range(world)])
+                holders = dict(enumerate(placement.holders))
+            info = GenerationInfo(
                 generation=g,
                 world_size=world,
-                ranks={r: i for r, i in ranks.items() if r < world},
-                nodes={r: n for r, n in nodes.items() if r < world},
+                ranks=ranks,
+                nodes=nodes,
                 lost=tuple(int(r) for r in body.get("lost", ())),
                 replaced={int(r): (str(a), str(b)) for r, (a, b) in body["replaced"].items()},
                 committed_step=int(body.get("committed_step", -1)),
                 store_prefix=str(body["store_prefix"]),
-                holders={r: h for r, h in holders.items() if r < world},
+                holders=holders,
                 directive=str(body.get("directive", "train")),
                 ack_timeout_s=float(body.get("ack_timeout_s", 10.0)),
+                graceful=bool(body.get("graceful", False)),
+                replicas=k,
                 reason=str(body.get("reason", "")),
                 arrived_t=now,
             )
+            self._generations[g] = info
             self._latest = max(self._latest, g)
+            if not info.graceful:
+                self._latest_urgent = max(self._latest_urgent, g)
             self._cond.notify_all()
-        self._abort_older_than(g)
+        if info.graceful:
+            # Members switch at the next commit; they acknowledge now that they know.
+            if self.client is not None and info.rank_of(self.identity) is not None:
+                self.client.ack(g)
+        else:
+            self._abort_older_than(g)
 
     def _on_interrupt(self, body: dict[str, Any]) -> None:
         with self._cond:
@@ -194,7 +219,7 @@ class Session:
         current = self.info.generation if self.info else 0
         if self._shutdown is not None:
             return "shutdown"
-        if self._latest > current:
+        if self._latest_urgent > current:
             return "generation"
         if self._notice is not None and int(self._notice.get("generation", 0)) >= current > 0:
             return "notice"
@@ -205,10 +230,16 @@ class Session:
         with self._cond:
             kind = self._pending_locked()
             if kind == "generation":
-                return self._generations[self._latest].arrived_t
+                return self._generations[self._latest_urgent].arrived_t
             if kind == "notice":
                 return float(self._notice["arrived_t"])
             return None
+
+    def pending_graceful(self) -> int:
+        """The newest graceful generation waiting for this process's switch (0 if none)."""
+        with self._cond:
+            current = self.info.generation if self.info else 0
+            return self._latest if self._latest > current else 0
 
     def next_generation(self, timeout_s: float, after: int | None = None) -> GenerationInfo:
         """Wait for a generation newer than the current one (or than ``after``: one that could
@@ -272,8 +303,11 @@ class Session:
             backend=self.backend,
             timeout_s=self.timeout_s,
             # Out of a generation that cannot form (a member died) before the coordinator's
-            # acknowledgement deadline of the next one expires.
-            join_timeout_s=min(self.timeout_s, info.ack_timeout_s / 2),
+            # acknowledgement deadline of the next one expires. A graceful one was acknowledged
+            # on arrival, and its members come when they reach the switch: wait for them.
+            join_timeout_s=self.timeout_s
+            if info.graceful
+            else min(self.timeout_s, info.ack_timeout_s / 2),
             ignore_peers=(_address(self.client.config.coordinator),),
         )
         comms = create_comms(spec, self._register)
@@ -284,7 +318,8 @@ class Session:
                 and int(self._notice.get("generation", 0)) < info.generation
             ):
                 self._notice = None
-        self.client.ack(info.generation)
+        if not info.graceful:
+            self.client.ack(info.generation)
         if self.interrupted:  # superseded while forming: the abort already broke these groups
             raise Interrupted(f"generation {info.generation} was superseded while joining it")
         return comms

@@ -94,3 +94,33 @@ def test_uneven_nodes_prefer_failure_domain_over_balance():
 def test_bad_inputs_are_refused_with_a_clear_message(args, message):
     with pytest.raises(ValueError, match=message):
         place(*args)
+
+
+@st.composite
+def node_maps(draw):
+    world = draw(st.integers(2, 48))
+    nodes = draw(st.lists(st.integers(0, 5), min_size=world, max_size=world))
+    k = draw(st.integers(1, min(3, world - 1)))
+    return nodes, k
+
+
+@settings(max_examples=300, deadline=None)
+@given(node_maps())
+def test_an_explicit_node_map_keeps_copies_off_the_owners_node(shape):
+    """Ranks renumbered by a resize, or spares in lost ranks' places: nodes by map."""
+    nodes, k = shape
+    world = len(nodes)
+    p = place(world, 1, k, nodes=nodes)
+    assert p.holders == place(world, 1, k, nodes=nodes).holders
+    for owner, holders in enumerate(p.holders):
+        assert owner not in holders and len(set(holders)) == k
+        others = {n for r, n in enumerate(nodes) if r != owner and n != nodes[owner]}
+        if others:
+            assert any(nodes[h] != nodes[owner] for h in holders)
+        if len(others) >= k:
+            assert all(nodes[h] != nodes[owner] for h in holders)
+    assert p.node_of(world - 1) == nodes[-1]
+
+
+def test_the_default_node_map_is_the_numbering():
+    assert place(8, 2, 1).holders == place(8, 2, 1, nodes=[r // 2 for r in range(8)]).holders
