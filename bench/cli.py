@@ -37,6 +37,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.baseline_bench",
         "the same job as people run it today: torchrun restarts and DCP checkpoints",
     ),
+    "resize": (
+        "bench.resize_bench",
+        "shrink and grow in place vs the same resizes through DCP save, restart and load",
+    ),
     "compare": (
         "bench.compare_bench",
         "checkpointless vs checkpoint-restart on one job and fault schedule: downtime reduction",

@@ -85,11 +85,13 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         results.record(step, loss, batch, loader.last_ids)
         if args.checkpoint_dir and step % args.checkpoint_every == 0:
+            timeline.mark("checkpoint_saving", step=step)
             model_sd, optim_sd = get_state_dict(model, [optimizer])
             dcp.save(
                 {"model": model_sd, "optim": optim_sd},
                 checkpoint_id=f"{args.checkpoint_dir}/step-{step}",
             )
+            timeline.mark("checkpoint_saved", step=step)
         if rank == 0:
             timeline.mark("step_done", step=step)
     results.write(rank, world, started_at=start)

@@ -93,6 +93,7 @@ class Coordinator:
             self.store_port = self.store.port
         self.dropped = 0
         self.exit_code: int | None = None
+        self._errors_seen: set[tuple[str, str, str]] = set()
 
     def publish_address(self) -> None:
         """Write coordinator.json atomically so agents and tests can find this job."""
@@ -141,8 +142,18 @@ class Coordinator:
                     if proc.role == "agent":
                         self._send(identity, protocol.HEARTBEAT, {})
                 next_agent_beat = now + AGENT_HEARTBEAT_S
-            self._apply(self.membership.tick(now))
+            try:
+                self._apply(self.membership.tick(now))
+            except Exception as e:  # the coordinator must outlive its own bugs: log, go on
+                self._internal_error("tick", e)
         return self.exit_code if self.exit_code is not None else 0
+
+    def _internal_error(self, where: str, e: Exception) -> None:
+        key = (where, type(e).__name__, str(e))
+        if key not in self._errors_seen:
+            self._errors_seen.add(key)
+            logger.exception("internal error in %s (the coordinator goes on)", where)
+            self.events.write("coordinator_error", where=where, error=repr(e))
 
     def handle_frames(self, frames: list[bytes]) -> None:
         """Authenticate, decode and act on one message; drop anything invalid with a reason."""
@@ -164,6 +175,8 @@ class Coordinator:
             self.dropped += 1
             logger.warning("dropped a malformed %s from %s: %r", msg.type, msg.sender, e)
             self.events.write("message_dropped", reason=f"malformed {msg.type} body: {e!r}")
+        except Exception as e:
+            self._internal_error(msg.type, e)
 
     def _dispatch(self, msg: protocol.Message, now: float) -> None:
         body = msg.body

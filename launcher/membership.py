@@ -80,6 +80,9 @@ class MembershipConfig:
     checkpoint before the job ends anyway."""
     elastic: ElasticConfig | None = None
     """Bounds and timings of resizing; ``None``: the world size never changes."""
+    refill_delay_s: float = 5.0
+    """A spare used up is replaced once the job replicates again after the change, or after
+    this long at the latest (a new spare's start-up competes with the recovery for CPU)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
@@ -163,6 +166,7 @@ class Membership:
         with the recovery for the node's CPU), or at once when a vacancy has no spare."""
         self.refill_gate = -1
         """Committed step at the last generation: refills wait until it advances."""
+        self.refill_gate_t = 0.0
         self.ended = False
         self.gone: set[str] = set()
         """Identities already declared lost (their later exit reports change nothing)."""
@@ -318,6 +322,7 @@ class Membership:
                 out.append(Kill(proc.node, identity, proc.pid, "given back and still running"))
                 self.leaving[identity] = float("inf")
         out += self._decide(now)
+        out += self._release_refills(force=False, now=now)
         if self.stopping is not None and not self.ended and now > self.stop_deadline:
             out += self._end(
                 1, f"{self.stopping.reason} (the stop checkpoint did not finish in time)"
@@ -332,8 +337,14 @@ class Membership:
 
     def _decide(self, now: float) -> list[Any]:
         """Ask the elastic policy what to do with the vacancies, spares and requests now."""
-        if self.ended or self.stopping is not None or self.done or self.generation == 0:
-            return []
+        if (
+            self.ended
+            or self.stopping is not None
+            or self.done
+            or self.finished
+            or self.generation == 0
+        ):
+            return []  # not started, or ending: nothing to replace, shrink or grow
         requested = self.requested_size
         if self.switching and not self.vacant:
             return []  # one graceful resize at a time: wait until its members have switched
@@ -513,9 +524,11 @@ class Membership:
         self.vacant_since[rank] = now
         return out
 
-    def _release_refills(self, force: bool) -> list[Any]:
-        """Start the spares owed, once the job replicates again (or at once when forced)."""
-        if not self.refills or not (force or self.committed_step > self.refill_gate):
+    def _release_refills(self, force: bool, now: float | None = None) -> list[Any]:
+        """Start the spares owed, once the job replicates again, at the latest after
+        ``refill_delay_s``, or at once when forced (a vacancy has no spare)."""
+        late = now is not None and now >= self.refill_gate_t + self.config.refill_delay_s
+        if not self.refills or not (force or late or self.committed_step > self.refill_gate):
             return []
         nodes, self.refills = self.refills, []
         return [SpawnSpare(node) for node in nodes]
@@ -600,6 +613,7 @@ class Membership:
         self.notified.clear()
         self.switching.clear()
         self.refill_gate = self.committed_step
+        self.refill_gate_t = now
         fields: dict[str, Any] = {"generation": gen.generation, "lost": lost, "replaced": replaced}
         if superseded is not None:
             fields["supersedes"] = superseded.generation

@@ -254,3 +254,12 @@ def test_a_failure_after_the_others_completed_ends_the_job_with_its_reason():
     out += [a for r in (0, 1, 2) for a in m.exited(f"rank/{r}", 0, 6.0)]
     (end,) = of(out, End)
     assert end.code == 1 and "rank 3" in end.reason and "completed" in end.reason
+
+
+def test_a_rank_that_ends_without_saying_done_stops_every_decision():
+    """A plain script's rank exits 0 without the engine's DONE: the job is ending."""
+    m, _ = job(spares=1, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    assert names(m.exited("rank/2", 0, 1.0)) == ["rank_finished"]
+    out = m.tick(2.0) + m.hello(Process("spare/9", "spare", 1, 3000), None, 2.5) + m.tick(40.0)
+    assert not of(out, Send) and not of(out, End)
