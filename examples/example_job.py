@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from bench.models import PRESETS, TinyLM
+from bench.models import PRESETS, TinyLM, lm_loss
 from dataload.cache import CacheConfig, open_or_build
 from dataload.loader import ResumableLoader
 
@@ -91,6 +91,20 @@ def make_build(args: argparse.Namespace):
         return model, optimizer, scheduler
 
     return build
+
+
+def make_warmup_step(args: argparse.Namespace):
+    """One training step on made-up tokens shaped like a rank's batch (a spare's warm-up)."""
+    cfg = PRESETS[args.model]
+    rows = max(1, args.global_batch // int(os.environ.get("WORLD_SIZE", "1")))
+
+    def warmup_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        tokens = torch.zeros(rows, cfg.seq_len + 1, dtype=torch.long)
+        lm_loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return warmup_step
 
 
 class Results:

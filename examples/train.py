@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     args = common.parse_args(argv, __doc__.splitlines()[0])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     build = common.make_build(args)
-    p2p_state.init_process_group(warmup=build)  # a spare waits here until it is given a rank
+    # A spare waits here until it is given a rank, warmed up by a build and a step meanwhile.
+    p2p_state.init_process_group(warmup=build, warmup_step=common.make_warmup_step(args))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed * 1000 + rank)  # each rank's dropout stream
     loader = common.make_loader(args, world, rank)

@@ -55,6 +55,7 @@ def init_process_group(
     timeout_s: float = 300.0,
     join_timeout_s: float = 3600.0,
     warmup: Any = None,
+    warmup_step: Any = None,
 ) -> None:
     """Join the job's default process group (instead of ``torch.distributed.init_process_group``).
 
@@ -74,6 +75,9 @@ def init_process_group(
             waits (on a private one-rank group) so its first real build costs what a
             survivor's does: the first ``fully_shard`` and optimizer step of a process take
             about a second of one-time set-up.
+        warmup_step: Optional ``warmup_step(model, optimizer)``: one training step on made-up
+            data shaped like a real batch, run by the spare on the model ``warmup`` built, so
+            its first real step also costs what a survivor's does.
 
     Raises:
         RuntimeError: called twice.
@@ -100,7 +104,7 @@ def init_process_group(
         from recovery.session import default_backend
 
         if warmup is not None:
-            seconds = warm_up(warmup, backend or default_backend(device_type))
+            seconds = warm_up(warmup, backend or default_backend(device_type), warmup_step)
             logger.info("spare warmed up in %.2f s", seconds)
     session = Session(client_config, timeout_s=timeout_s, device_type=device_type, backend=backend)
     atexit.register(session.close)

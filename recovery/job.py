@@ -133,6 +133,7 @@ class RecoveryRecord:
 
 Build = Callable[[], tuple]
 Hook = Callable[..., None]
+WarmupStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
 
 
 def _capture_rng() -> dict[str, Any]:
@@ -150,12 +151,20 @@ def _restore_rng(saved: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
-def warm_up(build: Build, backend: str) -> float:
+def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float:
     """Run the factory once on a private one-rank group, then throw the result away.
 
-    A hot spare does this while it waits for a rank: the first ``fully_shard`` and the first
-    optimizer step of a process cost about a second of one-time set-up, which would otherwise
-    land on the recovery's critical path. The process's RNG states are left as they were.
+    A hot spare does this while it waits for a rank: a process's first ``fully_shard``, its
+    first forward and backward and its first optimizer step cost one-time set-up (allocator
+    growth, kernel and autograd caches) which would otherwise land on the recovery's critical
+    path, where every rank waits for the slowest. The process's RNG states are left as they
+    were.
+
+    Args:
+        build: The job's factory.
+        backend: Backend of the private group.
+        step: Optional ``step(model, optimizer)`` running one training step on made-up data
+            (shaped like a real batch); without it only the build and a capture are warmed.
 
     Returns:
         Seconds it took.
@@ -165,6 +174,8 @@ def warm_up(build: Build, backend: str) -> float:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         built = build()
+        if step is not None:
+            step(built[0], built[1])
         state = TrainingState(*built[:3])
         buffer = torch.empty(state.layout.total_bytes, dtype=torch.uint8)
         state.capture(buffer, 0, {})
