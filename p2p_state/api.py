@@ -100,8 +100,8 @@ def init_process_group(
     if client_config is not None and client_config.role == "spare":
         # A spare joins the pool only once it is warm: what it needs before its first step
         # costs nothing on the recovery's critical path.
-        from recovery.job import warm_up
         from recovery.session import default_backend
+        from recovery.warmup import warm_up
 
         if warmup is not None:
             seconds = warm_up(warmup, backend or default_backend(device_type), warmup_step)
@@ -155,7 +155,7 @@ def protect(
             ``job.optimizer`` and ``job.scheduler``, which change after a recovery).
         loader: A resumable loader such as ``dataload.loader.ResumableLoader`` (its position is
             carried with every snapshot); ``None`` yields ``(step, None)``.
-        config: A ``recovery.job.RecoveryConfig``. By default it follows p2p-run's
+        config: A ``recovery.config.RecoveryConfig``. By default it follows p2p-run's
             ``--replicas``, ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``.
         max_steps: The last global step (``None``: until the loop is left).
 
@@ -175,10 +175,10 @@ def protect(
 
 
 def config_from_env():
-    """The :class:`recovery.job.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
+    """The :class:`recovery.config.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
     from p2p_state.config import ReplicationConfig
     from recovery.checkpoint import CheckpointConfig
-    from recovery.job import RecoveryConfig
+    from recovery.config import RecoveryConfig
 
     checkpoint = None
     if os.environ.get(ENV_CHECKPOINT_DIR):

@@ -28,23 +28,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from p2p_state.config import ReplicationConfig
 from p2p_state.placement import Placement
 from p2p_state.replicator import ReplicationError, Replicator, state_device
 from p2p_state.state import TrainingState
 from p2p_state.transfer import TransferError
 from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
 from recovery.comms import Interrupted
+from recovery.config import ConfigurationError, RecoveryConfig, RecoveryFailed, RecoveryRecord
 from recovery.planner import choose_source, shard_layout
 from recovery.restore import (
     NoSurvivingCopy,
@@ -54,6 +51,7 @@ from recovery.restore import (
     restore_from_peers,
 )
 from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
+from recovery.warmup import Build, capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -73,117 +71,7 @@ _COMM_FAILURES = (
 )
 
 
-class RecoveryFailed(RuntimeError):
-    """The job cannot go on: no copy of some state survives and there is no checkpoint."""
-
-
-class ConfigurationError(ValueError):
-    """The job is set up in a way it cannot run; the message names the fix."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RecoveryConfig:
-    """How a protected job replicates, checkpoints and recovers."""
-
-    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
-    """The data plane: replication factor, interval, memory, chunking, deadlines."""
-    checkpoint: CheckpointConfig | None = None
-    """The cold fallback (DCP every ``every_steps`` steps); ``None``: no periodic checkpoint."""
-    resume: bool = False
-    """Start from the latest complete checkpoint under ``checkpoint.root``."""
-    fault_wait_s: float = 30.0
-    """After a collective fails, how long to wait for the coordinator's new generation before
-    this rank reports itself failed (the coordinator normally answers within milliseconds for a
-    crash and within the heartbeat timeout for a hang)."""
-    collective_timeout_s: float = 300.0
-    """Timeout of every process group. A last resort only: a fault the coordinator sees aborts
-    the groups at once."""
-    emergency_checkpoint_root: str | None = None
-    """Where the checkpoint written when the job must stop (no spare in time) goes when
-    ``checkpoint`` is not set; default ``<run dir>/checkpoints``."""
-
-    def __post_init__(self) -> None:
-        if self.fault_wait_s <= 0:
-            raise ValueError(f"RecoveryConfig.fault_wait_s must be > 0, got {self.fault_wait_s}")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(
-                f"RecoveryConfig.collective_timeout_s must be > 0, got {self.collective_timeout_s}"
-            )
-        if self.resume and self.checkpoint is None:
-            raise ValueError(
-                "RecoveryConfig.resume needs RecoveryConfig.checkpoint (where to resume from)"
-            )
-
-
-@dataclass(slots=True)
-class RecoveryRecord:
-    """One recovery as this rank lived it (also written to the event log)."""
-
-    generation: int
-    cause: str
-    source: str = ""
-    """``peers``, ``checkpoint`` or ``initial``."""
-    step: int = -1
-    """The step the job was restored to."""
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: interrupt, communicators, build, plan, transfer, restore, replicate."""
-    bytes_received: int = 0
-    started_t: float = 0.0
-
-
-Build = Callable[[], tuple]
 Hook = Callable[..., None]
-WarmupStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
-
-
-def _capture_rng() -> dict[str, Any]:
-    out = {"torch": torch.get_rng_state(), "random": random.getstate(), "np": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def _restore_rng(saved: dict[str, Any]) -> None:
-    torch.set_rng_state(saved["torch"])
-    random.setstate(saved["random"])
-    np.random.set_state(saved["np"])
-    if "cuda" in saved:
-        torch.cuda.set_rng_state(saved["cuda"])
-
-
-def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float:
-    """Run the factory once on a private one-rank group, then throw the result away.
-
-    A hot spare does this while it waits for a rank: a process's first ``fully_shard``, its
-    first forward and backward and its first optimizer step cost one-time set-up (allocator
-    growth, kernel and autograd caches) which would otherwise land on the recovery's critical
-    path, where every rank waits for the slowest. The process's RNG states are left as they
-    were.
-
-    Args:
-        build: The job's factory.
-        backend: Backend of the private group.
-        step: Optional ``step(model, optimizer)`` running one training step on made-up data
-            (shaped like a real batch); without it only the build and a capture are warmed.
-
-    Returns:
-        Seconds it took.
-    """
-    t0 = time.perf_counter()
-    rng = _capture_rng()
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        built = build()
-        if step is not None:
-            step(built[0], built[1])
-        state = TrainingState(*built[:3])
-        buffer = torch.empty(state.layout.total_bytes, dtype=torch.uint8)
-        state.capture(buffer, 0, {})
-        state.restore(buffer)
-    finally:
-        dist.destroy_process_group()
-        _restore_rng(rng)
-    return time.perf_counter() - t0
 
 
 class ProtectedJob:
@@ -266,7 +154,7 @@ class ProtectedJob:
         self._hooks.append(hook)
 
     def __enter__(self) -> ProtectedJob:
-        self._initial_rng = _capture_rng()
+        self._initial_rng = capture_rng()
         self._initial_loader = self.loader.state_dict() if self.loader is not None else None
         try:
             info = self._session.info
@@ -575,7 +463,7 @@ class ProtectedJob:
         mode = "peers" if choose_source(held, world) is not None else self._fallback_mode(held)
         with self._phase(rec, "build"):
             if mode == "initial":
-                _restore_rng(self._initial_rng)
+                restore_rng(self._initial_rng)
             self.model = self.optimizer = self.scheduler = self.state = None
             self._build_state()
         extras: dict[str, Any]

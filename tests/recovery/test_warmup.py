@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from recovery.job import warm_up
+from recovery.warmup import warm_up
 
 
 def _build():

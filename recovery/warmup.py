@@ -1,0 +1,69 @@
+"""A hot spare's warm-up, and saving and restoring a process's RNG states around it."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from p2p_state.state import TrainingState
+
+Build = Callable[[], tuple]
+"""The job's factory: ``(model, optimizer)`` or ``(model, optimizer, scheduler)``."""
+WarmupStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
+"""One training step on made-up data, run on the model a warm-up built."""
+
+
+def capture_rng() -> dict[str, Any]:
+    out = {"torch": torch.get_rng_state(), "random": random.getstate(), "np": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def restore_rng(saved: dict[str, Any]) -> None:
+    torch.set_rng_state(saved["torch"])
+    random.setstate(saved["random"])
+    np.random.set_state(saved["np"])
+    if "cuda" in saved:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float:
+    """Run the factory once on a private one-rank group, then throw the result away.
+
+    A hot spare does this while it waits for a rank: a process's first ``fully_shard``, its
+    first forward and backward and its first optimizer step cost one-time set-up (allocator
+    growth, kernel and autograd caches) which would otherwise land on the recovery's critical
+    path, where every rank waits for the slowest. The process's RNG states are left as they
+    were.
+
+    Args:
+        build: The job's factory.
+        backend: Backend of the private group.
+        step: Optional ``step(model, optimizer)`` running one training step on made-up data
+            (shaped like a real batch); without it only the build and a capture are warmed.
+
+    Returns:
+        Seconds it took.
+    """
+    t0 = time.perf_counter()
+    rng = capture_rng()
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        built = build()
+        if step is not None:
+            step(built[0], built[1])
+        state = TrainingState(*built[:3])
+        buffer = torch.empty(state.layout.total_bytes, dtype=torch.uint8)
+        state.capture(buffer, 0, {})
+        state.restore(buffer)
+    finally:
+        dist.destroy_process_group()
+        restore_rng(rng)
+    return time.perf_counter() - t0
