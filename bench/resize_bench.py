@@ -4,7 +4,8 @@ In place: the example job starts on 3 ranks with a hot spare and ``--max-ranks 4
 grows it into the spare (3 -> 4), then ``p2p-run scale --to 3`` gives a rank back (4 -> 3).
 Both are graceful: ranks finish their step, switch at the next commit of replication, rebuild
 the model on the new world and reshard the state from peers' memory. ``resize_s`` runs from the
-first rank stopping training to the last rank ready to train in the new world.
+first rank stopping training to the last rank ready to train in the new world (a joining spare, idle
+until then, is not counted from the announcement).
 
 Through DCP (how elastic training without in-memory copies resizes): the plain job saves a DCP
 checkpoint, every process exits, and the job restarts at the new size and loads the checkpoint
@@ -28,6 +29,7 @@ from typing import Any
 
 from bench.baseline import run_baseline
 from bench.runner import EXAMPLE, LocalJob
+from recovery.config import CAUSE_JOINED as JOINED
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,7 +80,10 @@ def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         job.kill_everything()
     out = {"exit_codes": codes}
     for label, (resize, done) in zip(("grow", "shrink"), _resizes(job), strict=False):
-        start = min(e["started_t"] for e in done)
+        # A joining process waits from the announcement on while the job still trains: the
+        # resize starts when the first rank that was training stops.
+        trained = [e for e in done if e.get("cause") != JOINED] or done
+        start = min(e["started_t"] for e in trained)
         critical = max(done, key=lambda e: e["t"])
         out[label] = {
             "from": resize["from"],

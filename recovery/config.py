@@ -50,6 +50,10 @@ class RecoveryConfig:
             )
 
 
+CAUSE_JOINED = "joined the job"
+"""The cause recorded by a process that enters the job (a spare taking a place, a new node)."""
+
+
 @dataclass(slots=True)
 class RecoveryRecord:
     """One recovery as this rank lived it (also written to the event log)."""

@@ -41,7 +41,13 @@ from p2p_state.state import TrainingState
 from p2p_state.transfer import TransferError
 from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
 from recovery.comms import Interrupted
-from recovery.config import ConfigurationError, RecoveryConfig, RecoveryFailed, RecoveryRecord
+from recovery.config import (
+    CAUSE_JOINED,
+    ConfigurationError,
+    RecoveryConfig,
+    RecoveryFailed,
+    RecoveryRecord,
+)
 from recovery.planner import choose_source, shard_layout
 from recovery.restore import (
     NoSurvivingCopy,
@@ -161,7 +167,7 @@ class ProtectedJob:
             if info is not None and info.generation > 1:
                 # A spare given a rank, or a rank whose first generation was superseded: every
                 # member of this generation is in the restore protocol.
-                rec = RecoveryRecord(info.generation, "joined the job", started_t=info.arrived_t)
+                rec = RecoveryRecord(info.generation, CAUSE_JOINED, started_t=info.arrived_t)
                 self._restore_into(info, rec)
             else:
                 self._fresh_start()
