@@ -192,3 +192,21 @@ def test_bad_fault_specs_are_one_clear_line(capfd, spec, message):
     assert main(["inject", "--fault", spec]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+
+
+@pytest.mark.parametrize(
+    "specs, expected",
+    [
+        (["kill:rank=1@step=3"], [1, 0]),
+        (["kill:rank=1@step=3", "hang:rank=2@step=5"], [1, 1]),
+        # A node's spares die with it: the replacements wait on the node that survives.
+        (["kill-node:node=1@step=3"], [2, 0]),
+        (["kill-node:node=0@step=3"], [0, 2]),
+        (["bitflip:rank=1@step=3"], [1, 0]),
+    ],
+)
+def test_spares_cover_every_lost_rank_on_nodes_that_survive(specs, expected):
+    from bench.fault_runs import spares_for
+    from bench.faults import parse_fault
+
+    assert spares_for([parse_fault(s) for s in specs], nnodes=2, nproc_per_node=2) == expected

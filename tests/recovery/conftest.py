@@ -35,10 +35,14 @@ def run(
     )
 
 
-def assert_bitwise(outcome: JobOutcome, reference: JobOutcome) -> None:
+def assert_bitwise(
+    outcome: JobOutcome, reference: JobOutcome, *, killed_nodes: tuple[int, ...] = ()
+) -> None:
     """Every rank ends with the reference's exact state, every step it ran (redone ones
-    included) saw the reference's batch and loss, and every place ran to the last step."""
-    assert outcome.codes == [0, 0], outcome.job.output(0)[-3000:]
+    included) saw the reference's batch and loss, and every place ran to the last step. The
+    launchers of ``killed_nodes`` died with a SIGKILL; every other one ended cleanly."""
+    expected = [-9 if n in killed_nodes else 0 for n in range(2)]
+    assert outcome.codes == expected, outcome.job.output(0)[-3000:]
     assert sorted(outcome.results) == [0, 1, 2, 3]
     problems = bitwise_differences(outcome, reference)
     assert not problems, "; ".join(problems[:5])

@@ -99,6 +99,20 @@ def test_a_second_fault_during_recovery_starts_it_again(tmp_path, data_cache, re
     assert {e["generation"] for e in done} == {3}, "generation 2 never completed"
 
 
+def test_a_lost_node_is_replaced_by_spares_on_the_other_node_bitwise(
+    tmp_path, data_cache, reference
+):
+    # The node's agent is SIGKILLed: its ranks and spare die with it, nobody reports an exit,
+    # and only the heartbeat timeout notices. Both ranks' shards have copies on node 0.
+    outcome = run(tmp_path, data_cache, faults=("kill-node:node=1@step=4",), spares=(2, 0))
+    assert_bitwise(outcome, reference, killed_nodes=(1,))
+    lost = [e for e in outcome.events("fault") if e["identity"] == "agent/1"]
+    assert lost and "no heartbeat" in lost[0]["reason"]
+    done = outcome.events("recovery_done")
+    assert done and {e["restored_from"] for e in done} == {"peers"}
+    assert {e["rank"] for e in done if e["bytes_received"]} == {2, 3}
+
+
 def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(
     tmp_path, data_cache, reference
 ):
