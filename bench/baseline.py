@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.faults import Fault
+from bench.runner import example_args
+from launcher.events import read_json_lines
 
 PLAIN = str(Path(__file__).resolve().parents[1] / "examples" / "train_plain.py")
 
@@ -42,18 +44,6 @@ class BaselineRun:
     wall_s: float
     started_t: float
     output: str
-
-
-def _read_marks(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _victims(fault: Fault, world_size: int, ranks_per_node: int) -> list[int]:
@@ -109,14 +99,7 @@ def run_baseline(
         "--monitor-interval",
         "0.1",
         PLAIN,
-        "--model",
-        model,
-        "--steps",
-        str(steps),
-        "--cache-dir",
-        cache_dir or str(run_dir / "cache"),
-        "--out",
-        str(out),
+        *example_args(model, steps, cache_dir or str(run_dir / "cache"), out),
         "--checkpoint-dir",
         ckpt,
         "--checkpoint-every",
@@ -144,7 +127,7 @@ def run_baseline(
                     raise TimeoutError(
                         f"the baseline run outlived {timeout_s:.0f}s; see {log_path}"
                     )
-                marks = _read_marks(timeline_path)
+                marks = read_json_lines(timeline_path)
                 if on_poll is not None:
                     on_poll(marks)
                 if pending and _step_done(marks, pending[0].at - 1, after=kills):
@@ -177,7 +160,7 @@ def run_baseline(
     }
     return BaselineRun(
         code=proc.returncode,
-        marks=_read_marks(timeline_path),
+        marks=read_json_lines(timeline_path),
         kills=kills,
         results=results,
         wall_s=time.monotonic() - t0,

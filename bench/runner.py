@@ -229,6 +229,11 @@ class JobOutcome:
         return self.job.events(name, **match)
 
 
+def example_args(model: str, steps: int, cache_dir: str, out: Path) -> list[str]:
+    """The flags both example scripts take for a run of ``steps`` steps writing to ``out``."""
+    return ["--model", model, "--steps", str(steps), "--cache-dir", cache_dir, "--out", str(out)]
+
+
 def run_example(
     run_dir: Path,
     *,
@@ -248,17 +253,7 @@ def run_example(
     """Run the example training job to its end with ``faults`` injected."""
     run_dir = Path(run_dir)
     out = run_dir / "out"
-    args = [
-        "--model",
-        model,
-        "--steps",
-        str(steps),
-        "--cache-dir",
-        cache_dir or str(run_dir / "cache"),
-        "--out",
-        str(out),
-        *script_args,
-    ]
+    args = [*example_args(model, steps, cache_dir or str(run_dir / "cache"), out), *script_args]
     env = {ENV_INJECT: to_env(list(faults))} if faults else {}
     t0 = time.monotonic()
     job = LocalJob(

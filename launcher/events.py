@@ -45,7 +45,13 @@ class EventLog:
 
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """All events of a run, in file order (unparseable lines are skipped)."""
-    path = Path(run_dir) / EVENTS_FILE
+    return read_json_lines(Path(run_dir) / EVENTS_FILE)
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file, in order; a missing file is empty, and a line cut
+    short by a writer that died mid-write is skipped."""
+    path = Path(path)
     if not path.exists():
         return []
     out = []
