@@ -25,7 +25,14 @@ setup(
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.6"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            "moto[server]>=5.0",
+            "s3fs>=2024.2",
+        ],
         "bench": ["matplotlib>=3.8", "rich>=13"],
         "s3": ["fsspec>=2024.2", "s3fs>=2024.2"],
     },
