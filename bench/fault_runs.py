@@ -106,7 +106,8 @@ def spares_for(faults: list[Fault], nnodes: int, nproc_per_node: int) -> list[in
             lost += 2
         else:
             lost += 1
-    hosts = [n for n in range(nnodes) if n not in killed_nodes(faults)] or list(range(nnodes))
+    down = killed_nodes(faults)
+    hosts = [n for n in range(nnodes) if n not in down] or list(range(nnodes))
     wanted = max(1, min(lost, 2 * len(hosts)))
     share = {
         n: wanted // len(hosts) + (1 if i < wanted % len(hosts) else 0) for i, n in enumerate(hosts)
