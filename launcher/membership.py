@@ -305,6 +305,12 @@ class Membership:
         for identity, seen in sorted(self.last_seen.items()):
             if now - seen > timeout and identity in self.procs:
                 proc = self.procs[identity]
+                agent = f"agent/{proc.node}"
+                # A rank's beats travel through its agent: when the agent has fallen silent too,
+                # the node is what was lost (the agent's own last beat may be a little newer).
+                if agent in self.procs and now - self.last_seen.get(agent, now) > timeout / 2:
+                    out += self._lose(agent, f"no heartbeat for {now - seen:.1f}s", now)
+                    continue
                 if proc.role != "agent":
                     out.append(Kill(proc.node, identity, proc.pid, "missed heartbeats"))
                 out += self._lose(identity, f"no heartbeat for {now - seen:.1f}s", now)

@@ -108,6 +108,36 @@ def test_a_lost_agent_loses_its_whole_node():
     assert "waiting_for_spare" in names(out)
 
 
+def test_ranks_silent_with_their_agent_are_lost_with_the_node_not_one_by_one():
+    m, _ = job(spares=2, world=4, rpn=2, heartbeat_timeout_s=3.0)
+    ack_all(m)
+    for identity in ("agent/0", "rank/0", "rank/1", "spare/0"):
+        m.heartbeat(identity, 4.0)
+    for identity in ("rank/2", "rank/3", "spare/1"):  # node 1: a little before its agent
+        m.heartbeat(identity, 1.0)
+    m.heartbeat("agent/1", 1.4)
+    out = m.tick(4.2)  # the ranks are past the timeout, their agent not quite yet
+    reasons = {
+        a.fields["identity"]: a.fields["reason"]
+        for a in out
+        if isinstance(a, Event) and a.name == "fault"
+    }
+    assert set(reasons) == {"agent/1", "rank/2", "rank/3", "spare/1"}
+    assert reasons["rank/2"].startswith("node 1 lost") and reasons["rank/3"].startswith("node 1")
+
+
+def test_a_silent_rank_beside_a_live_agent_is_hung_not_a_node_loss():
+    m, _ = job(spares=1, world=4, rpn=2, heartbeat_timeout_s=3.0)
+    ack_all(m)
+    for identity in ("agent/0", "agent/1", "rank/0", "rank/1", "rank/3", "spare/0"):
+        m.heartbeat(identity, 4.0)
+    m.heartbeat("rank/2", 1.0)
+    out = m.tick(4.2)
+    faults = [a.fields["identity"] for a in out if isinstance(a, Event) and a.name == "fault"]
+    assert faults == ["rank/2"]
+    assert [a.identity for a in out if isinstance(a, Kill)] == ["rank/2"]
+
+
 def test_stragglers_past_the_ack_deadline_are_faults_and_start_the_next_generation():
     m, _ = job(spares=1, ack_timeout_s=2.0, heartbeat_timeout_s=100.0)
     for identity in ("rank/0", "rank/1", "rank/2"):
