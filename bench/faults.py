@@ -30,6 +30,7 @@ point: the rest of the job sees exactly what a crash or a hang looks like.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -194,6 +195,10 @@ class Injector:
             self._maybe_recovery(info["phase"])
 
     def _on_built(self, model: Any, optimizer: Any) -> None:
+        # Where this rank's process is, so a fault that takes several ranks down together can
+        # kill them at the same instant (a rank cannot wait for its own trigger: the first
+        # death interrupts it before it gets there).
+        (self.markers / f"pid-rank{self._rank()}").write_text(str(os.getpid()))
         model.register_full_backward_pre_hook(lambda *_: self._maybe("backward", self._step))
         optimizer.register_step_pre_hook(lambda *_: self._maybe("optimizer", self._step))
 
@@ -228,6 +233,19 @@ class Injector:
             if here and self._mine(fault):
                 self._fire(fault)
 
+    def _kill_together(self, fault: Fault) -> None:
+        """SIGKILL every other victim of ``fault`` (marking it fired for them), then this rank."""
+        placement = self._job.replicator.placement if self._job.replicator else None
+        victims = {fault.target, *(placement.holders[fault.target] if placement else ())}
+        for rank in sorted(victims - {self._rank()}):
+            try:
+                os.close(os.open(self.markers / f"{fault.id}-rank{rank}", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue  # it fired itself already
+            with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+                os.kill(int((self.markers / f"pid-rank{rank}").read_text()), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def _fire(self, fault: Fault) -> None:
         # One marker per rank for faults several ranks fire together (kill-buddies), one per
         # fault for a node loss (the first rank of the node to get there kills the agent).
@@ -260,5 +278,7 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "kill-buddies":
+            self._kill_together(fault)
         else:
             os.kill(os.getpid(), signal.SIGKILL)
