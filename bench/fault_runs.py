@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ from typing import Any
 from bench import phases
 from bench.baseline import run_baseline
 from bench.faults import Fault, parse_fault, random_faults
-from bench.runner import bitwise_differences, run_example
+from bench.runner import bitwise_differences, run_example, run_script
 
 
 class UsageError(ValueError):
@@ -130,15 +131,19 @@ def run_checkpointless(
     """The engine's run with the faults (and the fault-free reference); its report section."""
     work = _work_dir(args)
     common = {
-        "model": args.model,
-        "steps": args.steps,
         "nnodes": args.nnodes,
         "nproc_per_node": args.nproc_per_node,
-        "cache_dir": str(work / "cache"),
         "timeout_s": args.timeout,
         "heartbeat_interval_s": args.heartbeat_interval,
         "heartbeat_timeout_s": args.heartbeat_timeout,
     }
+    if getattr(args, "script", None):
+        # A user's protected script: the probe injects the faults and records the results.
+        run = functools.partial(run_script, script=args.script, script_args=args.script_args)
+    else:
+        run = functools.partial(
+            run_example, model=args.model, steps=args.steps, cache_dir=str(work / "cache")
+        )
     launcher = []
     if any(f.kind == "kill-buddies" for f in faults) and args.checkpoint_every:
         # Losing a shard with every copy of it needs the cold checkpoint.
@@ -146,7 +151,7 @@ def run_checkpointless(
         launcher = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
     spares = spares_for(faults, args.nnodes, args.nproc_per_node)
     progress.run_started("checkpointless", args.steps)
-    outcome = run_example(
+    outcome = run(
         work / "checkpointless",
         faults=faults,
         spares=spares,
@@ -173,7 +178,7 @@ def run_checkpointless(
     progress.run_finished(f"checkpointless run: exit codes {outcome.codes}")
     if reference:
         progress.run_started("fault-free reference", args.steps)
-        ref = run_example(
+        ref = run(
             work / "reference",
             spares=[0] * args.nnodes,
             on_poll=lambda events: _progress_from(progress, events),
@@ -262,8 +267,18 @@ def job_info(args: argparse.Namespace) -> dict[str, Any]:
     """The job both modes ran."""
     from bench.models import PRESETS
 
-    cfg = PRESETS[args.model]
     world = args.nnodes * args.nproc_per_node
+    if getattr(args, "script", None):
+        return {
+            "script": shlex.join([args.script, *args.script_args]),
+            "model": Path(args.script).name,
+            "nnodes": args.nnodes,
+            "nproc_per_node": args.nproc_per_node,
+            "world_size": world,
+            "steps": args.steps,
+            "checkpoint_every": args.checkpoint_every,
+        }
+    cfg = PRESETS[args.model]
     # Parameters and AdamW's two moments, fp32, split over the ranks.
     state_mib = cfg.num_params * 4 * 3 / world / 2**20
     return {

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import probe
 from bench.faults import ENV_INJECT, Fault, to_env
 from launcher.events import read_events
+from recovery.job import ENV_JOB_HOOKS
 
 #: The example training job (a checkout's ``examples/``; see README).
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
@@ -239,30 +241,58 @@ def run_example(
     *,
     model: str = "tiny",
     steps: int = 8,
+    cache_dir: str | None = None,
+    script_args: Sequence[str] = (),
+    **kwargs: Any,
+) -> JobOutcome:
+    """Run the example training job to its end (see :func:`run_script` for the rest).
+
+    Its ranks write their results themselves (``examples/train.py --out``): every step's loss
+    besides its batch, and the final state's digest.
+    """
+    run_dir = Path(run_dir)
+    out = run_dir / "out"
+    args = [*example_args(model, steps, cache_dir or str(run_dir / "cache"), out), *script_args]
+    return run_script(run_dir, script=EXAMPLE, script_args=args, results_dir=out, **kwargs)
+
+
+def run_script(
+    run_dir: Path,
+    *,
+    script: str,
+    script_args: Sequence[str] = (),
     faults: Sequence[Fault] = (),
     nnodes: int = 2,
     nproc_per_node: int = 2,
     spares: Sequence[int] = (1, 0),
-    cache_dir: str | None = None,
-    script_args: Sequence[str] = (),
+    results_dir: Path | None = None,
     launcher_args: Sequence[str] = (),
     timeout_s: float = 600.0,
     on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
     **job_kwargs: Any,
 ) -> JobOutcome:
-    """Run the example training job to its end with ``faults`` injected."""
+    """Run a protected training script under p2p-run to its end with ``faults`` injected.
+
+    The faults are armed in every rank through the engine's ``P2P_JOB_HOOKS``
+    (:mod:`bench.probe`), so the script needs no line for them. Each rank's results
+    (``rank<r>.json``) are read from ``results_dir`` when the script writes them itself, or
+    else recorded by the probe: every step's batch and the final state's digest.
+    """
     run_dir = Path(run_dir)
-    out = run_dir / "out"
-    args = [*example_args(model, steps, cache_dir or str(run_dir / "cache"), out), *script_args]
-    env = {ENV_INJECT: to_env(list(faults))} if faults else {}
+    env = {ENV_JOB_HOOKS: probe.HOOK}
+    if faults:
+        env[ENV_INJECT] = to_env(list(faults))
+    if results_dir is None:
+        results_dir = run_dir / "probe"
+        env[probe.ENV_PROBE_DIR] = str(results_dir)
     t0 = time.monotonic()
     job = LocalJob(
         run_dir,
         nnodes=nnodes,
         nproc_per_node=nproc_per_node,
         spares=spares,
-        script=EXAMPLE,
-        script_args=args,
+        script=script,
+        script_args=script_args,
         launcher_args=launcher_args,
         env=env,
         **job_kwargs,
@@ -272,7 +302,8 @@ def run_example(
     finally:
         job.kill_everything()
     results = {
-        int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")
+        int(p.stem.removeprefix("rank")): json.loads(p.read_text())
+        for p in Path(results_dir).glob("rank*.json")
     }
     return JobOutcome(job, codes, results, time.monotonic() - t0)
 

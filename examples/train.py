@@ -10,8 +10,8 @@ Run it under p2p-run (2 emulated nodes of 2 ranks and a hot spare)::
 It is ``train_plain.py`` (plain FSDP2 with DCP checkpoints) with the engine's lines: see
 ``diff -u examples/train_plain.py examples/train.py``. With ``--out DIR`` every rank writes
 ``DIR/rank<r>.json`` (its final state's digest, the loss and batch of every step), which the
-demo and the tests compare with a fault-free run. Faults to inject come from ``P2P_INJECT``
-(see ``bench.faults``).
+demo and the tests compare with a fault-free run. ``p2p-bench`` injects its faults through the
+engine's ``P2P_JOB_HOOKS`` (see ``bench.probe``): nothing here knows of them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     results = common.Results(args.out)
 
     with p2p_state.protect(build, loader=loader, max_steps=args.steps) as job:
-        _arm_faults(job)
         for step, batch in job:
             with job.step():
                 loss = lm_loss(job.model, batch.long())
@@ -55,16 +54,6 @@ def main(argv: list[str] | None = None) -> None:
             for r in job.recoveries
         ]
     results.write(dist.get_rank(), dist.get_world_size(), digest=digest, recoveries=recoveries)
-
-
-def _arm_faults(job) -> None:
-    """Fault injection for tests and ``p2p-bench inject`` (``P2P_INJECT``); a no-op otherwise."""
-    from bench.faults import Injector, from_env
-
-    faults = from_env()
-    if faults:
-        session = p2p_state.api.current_session()
-        Injector(faults, os.environ.get("P2P_RUN_DIR", "."), session.event).arm(job)
 
 
 if __name__ == "__main__":

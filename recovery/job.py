@@ -26,6 +26,7 @@ and restarts replication. A fault during recovery starts it again with the next 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import time
@@ -58,6 +59,9 @@ from recovery.restore import (
 )
 from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
 from recovery.warmup import Build, capture_rng, restore_rng
+
+#: Hooks to attach to every protected job of the process (see :meth:`ProtectedJob.add_hook`).
+ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +160,12 @@ class ProtectedJob:
     def add_hook(self, hook: Hook) -> None:
         """Call ``hook(point, **info)`` at: ``built`` (model, optimizer), ``step_begin`` (step),
         ``replication_chunk`` (step, round, num_rounds; worker thread) and ``recovery_phase``
-        (phase, generation). For fault injection and progress reporting."""
+        (phase, generation) and, when the loop has ended cleanly, ``finished`` (step, state).
+        For fault injection and progress reporting.
+
+        Tools that run a script they did not write (``p2p-bench inject --script``) attach their
+        hooks through ``P2P_JOB_HOOKS``: comma-separated ``module:function`` names, each called
+        with the job once it is ready to train, before its first step."""
         self._hooks.append(hook)
 
     def __enter__(self) -> ProtectedJob:
@@ -182,6 +191,7 @@ class ProtectedJob:
                 self._shutdown()
                 raise
             self._recover(e)
+        self._attach_env_hooks()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -189,6 +199,7 @@ class ProtectedJob:
             if exc_type is None and self.replicator is not None:
                 # The last round's commit is a barrier: every rank completed every step.
                 self.replicator.flush()
+                self._call_hooks("finished", step=self.step_done, state=self.state)
                 if self.checkpointer is not None:
                     self.checkpointer.wait()
                 if self._session.client is not None:
@@ -216,7 +227,7 @@ class ProtectedJob:
             raise StopIteration
         batch = self.loader.next_batch() if self.loader is not None else None
         self._current = step
-        self._call_hooks("step_begin", step=step)
+        self._call_hooks("step_begin", step=step, batch=batch)
         return step, batch
 
     @contextlib.contextmanager
@@ -314,6 +325,13 @@ class ProtectedJob:
 
     def _start_replication(self, step: int, extras: dict[str, Any]) -> None:
         info = self._session.info
+        k = self.config.replication.k
+        if k >= dist.get_world_size():
+            raise ConfigurationError(
+                f"every shard is copied to k={k} other ranks, so the job needs at least "
+                f"{k + 1} ranks; it has {dist.get_world_size()}: run more ranks or lower k "
+                "(p2p-run --replicas, ReplicationConfig.k)"
+            )
         rep = Replicator(
             self.state,
             self.config.replication,
@@ -607,7 +625,7 @@ class ProtectedJob:
             return None
         holders = tuple(tuple(info.holders[r]) for r in range(info.world_size))
         if any(len(h) != self.config.replication.k for h in holders):
-            raise ValueError(
+            raise ConfigurationError(
                 f"the coordinator keeps {len(holders[0])} copies of every shard (p2p-run "
                 f"--replicas) but ReplicationConfig.k is {self.config.replication.k}; make them "
                 "agree"
@@ -621,6 +639,22 @@ class ProtectedJob:
 
     def _on_chunk(self, step: int, round_: int, num_rounds: int) -> None:
         self._call_hooks("replication_chunk", step=step, round=round_, num_rounds=num_rounds)
+
+    def _attach_env_hooks(self) -> None:
+        for name in filter(None, os.environ.get(ENV_JOB_HOOKS, "").split(",")):
+            module_name, _, function = name.strip().partition(":")
+            try:
+                attach = getattr(importlib.import_module(module_name), function)
+            except (ImportError, AttributeError, ValueError) as e:
+                reason = (
+                    f"{ENV_JOB_HOOKS} names {name!r}, which cannot be loaded ({e}): write "
+                    "module:function of an importable module"
+                )
+                self._session.report_failure(reason, fatal=True)
+                self._shutdown()
+                logger.error("%s", reason)
+                raise SystemExit(2) from None
+            attach(self)
 
     def _call_hooks(self, point: str, **info: Any) -> None:
         for hook in self._hooks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +177,57 @@ def test_the_check_fails_when_a_run_is_silently_corrupted(capsys, tmp_path):
     assert "rank 1's final state differs" in differences
 
 
+USER_SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "user_train.py")
+
+
+def _inject_script(tmp_path, fault, *script_args):
+    from bench.cli import main
+
+    return main(
+        [
+            "inject",
+            "--script",
+            USER_SCRIPT,
+            "--heartbeat-interval",
+            "0.1",
+            "--steps",
+            "6",
+            "--fault",
+            fault,
+            "--out-dir",
+            str(tmp_path / "report"),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--json",
+            "--",
+            "--steps",
+            "6",
+            *script_args,
+        ]
+    )
+
+
+def test_inject_into_a_users_script_that_knows_nothing_of_it(capsys, tmp_path):
+    assert _inject_script(tmp_path, "kill:rank=1@step=3:phase=backward", "--lr", "0.02") == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["bitwise_equal"] is True
+    report = _report(tmp_path / "report")
+    assert report["job"]["script"].endswith("user_train.py --steps 6 --lr 0.02")
+    (fault,) = report["modes"]["checkpointless"]["faults"]
+    assert fault["downtime_s"] > 0 and set(fault["phases"]) >= {"detect", "plan", "transfer"}
+    # The probe recorded the script's batches: the spare's, from the step it redid, too.
+    spare = json.loads((tmp_path / "work" / "checkpointless" / "probe" / "rank1.json").read_text())
+    assert min(int(s) for s in spare["steps"]) <= 3 and spare["step"] == 6
+    assert all(s["batch"] for s in spare["steps"].values())
+
+
+def test_the_check_of_a_users_script_fails_when_its_run_is_corrupted(capsys, tmp_path):
+    assert _inject_script(tmp_path, "bitflip:rank=0@step=2") == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["bitwise_equal"] is False
+    assert "rank 0's final state differs" in summary["modes"]["checkpointless"]["differences"]
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -210,3 +262,18 @@ def test_spares_cover_every_lost_rank_on_nodes_that_survive(specs, expected):
     from bench.faults import parse_fault
 
     assert spares_for([parse_fault(s) for s in specs], nnodes=2, nproc_per_node=2) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--script", "no/such/train.py"], "--script no/such/train.py: no such file"),
+        (["--", "--lr", "1"], "unexpected arguments --lr 1: only a --script takes them"),
+    ],
+)
+def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
+    from bench.cli import main
+
+    assert main(["inject", "--fault", "kill:rank=1@step=3", *argv]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

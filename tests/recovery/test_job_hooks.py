@@ -1,0 +1,77 @@
+"""``P2P_JOB_HOOKS``: a tool attaches hooks to a protected script it did not write."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "user_train.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_alone(env: dict[str, str], *args: str, world_size: int = 2) -> list[Run]:
+    """The script's ranks without p2p-run (a plain gloo group from the environment)."""
+    common = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args],
+            env={**common, "RANK": str(rank), "WORLD_SIZE": str(world_size)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        return [Run(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.stderr.close()
+
+
+@dataclass
+class Run:
+    returncode: int
+    stderr: str
+
+
+def test_the_probe_records_every_batch_and_the_final_digest(tmp_path):
+    env = {"P2P_JOB_HOOKS": "bench.probe:attach", "P2P_PROBE_DIR": str(tmp_path)}
+    assert all(r.returncode == 0 for r in _run_alone(env, "--steps", "3")), "the script failed"
+    record = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in record:
+        assert r["step"] == 3 and sorted(r["steps"]) == ["1", "2", "3"]
+    batches = [s["batch"] for r in record for s in r["steps"].values()]
+    assert len(set(batches)) == 6 and all(batches)  # every rank, every step: its own batch
+
+    # The same run again has the same record; another learning rate, another final state.
+    assert all(r.returncode == 0 for r in _run_alone(env, "--steps", "3"))
+    assert json.loads((tmp_path / "rank0.json").read_text()) == record[0]
+    assert all(r.returncode == 0 for r in _run_alone(env, "--steps", "3", "--lr", "0.5"))
+    other = json.loads((tmp_path / "rank0.json").read_text())
+    assert other["steps"] == record[0]["steps"] and other["digest"] != record[0]["digest"]
+
+
+def test_a_hook_that_cannot_be_loaded_is_one_clear_line():
+    for run in _run_alone({"P2P_JOB_HOOKS": "no_such_module:attach"}, "--steps", "2"):
+        assert run.returncode == 2
+        assert "P2P_JOB_HOOKS names 'no_such_module:attach'" in run.stderr
+        assert "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_job_too_small_to_replicate_is_one_clear_line():
+    (run,) = _run_alone({}, "--steps", "2", world_size=1)
+    assert run.returncode == 2
+    assert "needs at least 2 ranks; it has 1" in run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
