@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +47,8 @@ class LocalJob:
 
     Args:
         run_dir: The job's run directory (event log, secret, one ``p2p-run-<n>.log`` per node).
+            An earlier job's run directory is emptied first: it would hand out that job's
+            coordinator address, event log, fault markers and results.
         nnodes, nproc_per_node: The job's shape.
         spares: Hot spares per node.
         script, script_args: What every rank runs.
@@ -72,6 +75,8 @@ class LocalJob:
         if len(spares) != nnodes:
             raise ValueError(f"spares lists {len(spares)} nodes, the job has {nnodes}")
         self.run_dir = Path(run_dir)
+        if any((self.run_dir / name).exists() for name in ("coordinator.json", "events.jsonl")):
+            shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.script, self.script_args = script, list(script_args)
         self.env = {**os.environ, **(env or {})}

@@ -48,15 +48,21 @@ def resolve_kind(requested: str, device: torch.device) -> MemoryKind:
     return kind
 
 
-def allocate(nbytes: int, kind: MemoryKind, device: torch.device) -> torch.Tensor:
-    """A 1-D ``uint8`` buffer of ``nbytes`` zero bytes of the given kind.
+def allocate(
+    nbytes: int, kind: MemoryKind, device: torch.device, prefault: bool = True
+) -> torch.Tensor:
+    """A 1-D ``uint8`` buffer of ``nbytes`` bytes of the given kind.
 
-    Zeroing touches every page now, at start-up, instead of during the first snapshots.
+    With ``prefault`` the bytes are zeroed, which touches every page now instead of during the
+    first snapshots; without it their content is undefined until written (every byte a
+    snapshot or a transfer reads is written first).
     """
     if kind is MemoryKind.GPU:
+        if not prefault:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind is MemoryKind.PINNED)
-    return buf.zero_()
+    return buf.zero_() if prefault else buf
 
 
 def available_bytes(kind: MemoryKind, device: torch.device) -> int:

@@ -133,6 +133,11 @@ class Replicator:
             A group passed in belongs to the caller.
         placement: Who holds whose replica; by default :func:`place` over the default group's
             world with ``ranks_per_node``.
+        prefault: Zero the snapshot and replica buffers now, so the first rounds do not pay
+            the page faults (at a job's start). A recovery passes ``False``: its buffers are
+            then touched as they are first written (the own slot by the snapshot of the
+            restored state, the replicas by the worker thread), not all at once on its
+            critical path.
     """
 
     def __init__(
@@ -145,6 +150,7 @@ class Replicator:
         progress_hook: Callable[[int, int, int], None] | None = None,
         group: dist.ProcessGroup | None = None,
         placement: Placement | None = None,
+        prefault: bool = True,
     ) -> None:
         self.state = state
         self.config = config or ReplicationConfig()
@@ -200,9 +206,9 @@ class Replicator:
             state.layout.describe(),
             self.backend,
         )
-        self.own = DoubleBuffer(state.layout.total_bytes, self.kind, self.device)
+        self.own = DoubleBuffer(state.layout.total_bytes, self.kind, self.device, prefault)
         self.replicas = {
-            o: DoubleBuffer(self.layouts[o].total_bytes, self.kind, self.device)
+            o: DoubleBuffer(self.layouts[o].total_bytes, self.kind, self.device, prefault)
             for o in self.owners
         }
         self.memory_bytes = {self.kind.value: own_bytes + replica_bytes}

@@ -112,12 +112,14 @@ class DoubleBuffer:
     go through its lock.
     """
 
-    def __init__(self, nbytes: int, kind: MemoryKind, device: torch.device) -> None:
+    def __init__(
+        self, nbytes: int, kind: MemoryKind, device: torch.device, prefault: bool = True
+    ) -> None:
         self.nbytes = nbytes
         self.kind = kind
         self.slots = (
-            Slot(allocate(nbytes, kind, device)),
-            Slot(allocate(nbytes, kind, device)),
+            Slot(allocate(nbytes, kind, device, prefault)),
+            Slot(allocate(nbytes, kind, device, prefault)),
         )
         self._latest: Slot | None = None
 

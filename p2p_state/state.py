@@ -117,10 +117,14 @@ class TrainingState:
         model: The (FSDP2-sharded, DDP or plain) module. Its parameters and persistent buffers
             are captured; for a ``DTensor`` parameter only the local shard.
         optimizer: Any ``torch.optim`` optimizer whose per-parameter state is tensors (AdamW, SGD
-            with momentum, ...). Its state is created if empty (see :func:`ensure_optimizer_state`).
+            with momentum, ...). An empty state is created to learn its layout (see
+            :func:`ensure_optimizer_state`) and dropped again, so training starts as it would
+            without the engine, unless ``keep_optimizer_state`` (a restore overwrites it next).
         scheduler: An LR scheduler, or ``None``.
         blob_capacity: Bytes reserved for the non-tensor state (scheduler, hyper-parameters,
             step, RNG of ``random``/``numpy``, extras).
+        keep_optimizer_state: Keep the state created to learn the layout (saves creating it
+            again when a restore follows).
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class TrainingState:
         scheduler: Any = None,
         *,
         blob_capacity: int = 256 * 1024,
+        keep_optimizer_state: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -143,7 +148,7 @@ class TrainingState:
         try:
             self.layout = StateLayout.build(self._specs(), blob_capacity)
         finally:
-            if fresh:
+            if fresh and not keep_optimizer_state:
                 optimizer.state.clear()
         self._num_tensor_entries = sum(not e.name.startswith("rng/") for e in self.layout.entries)
         # id(buffer) -> (weak reference to that buffer, its views); see views().

@@ -299,7 +299,9 @@ class ProtectedJob:
 
     # -- starting ------------------------------------------------------------------------------
 
-    def _build_state(self) -> None:
+    def _build_state(self, *, restoring: bool = False) -> None:
+        """Run the factory and lay its state out; ``restoring``: a restore from peers' copies
+        overwrites every value next."""
         built = self._build()
         if not isinstance(built, tuple) or len(built) not in (2, 3):
             raise TypeError(
@@ -313,6 +315,7 @@ class ProtectedJob:
             self.optimizer,
             self.scheduler,
             blob_capacity=self.config.replication.blob_capacity_bytes,
+            keep_optimizer_state=restoring,
         )
         self._call_hooks("built", model=self.model, optimizer=self.optimizer)
 
@@ -323,7 +326,9 @@ class ProtectedJob:
     def _checkpoint_group(self) -> dist.ProcessGroup:
         return self._session.comms.group("checkpoint", "gloo")
 
-    def _start_replication(self, step: int, extras: dict[str, Any]) -> None:
+    def _start_replication(
+        self, step: int, extras: dict[str, Any], *, recovering: bool = False
+    ) -> None:
         info = self._session.info
         k = self.config.replication.k
         if k >= dist.get_world_size():
@@ -340,6 +345,7 @@ class ProtectedJob:
             progress_hook=self._on_chunk,
             group=self._replication_group(),
             placement=self._placement(info),
+            prefault=not recovering,
         )
         self.replicator = rep
         self._stores.insert(0, rep)
@@ -489,7 +495,7 @@ class ProtectedJob:
             if mode == "initial":
                 restore_rng(self._initial_rng)
             self.model = self.optimizer = self.scheduler = self.state = None
-            self._build_state()
+            self._build_state(restoring=mode == "peers")
         extras: dict[str, Any]
         self._source = None
         if mode == "peers":
@@ -525,7 +531,7 @@ class ProtectedJob:
         if info.directive == "checkpoint":
             self._checkpoint_and_stop(info, step)
         with self._phase(rec, "replicate"):
-            self._start_replication(step, extras)
+            self._start_replication(step, extras, recovering=True)
         rec.source, rec.step = mode, step
         self.recoveries.append(rec)
         self._first_step_pending = rec
