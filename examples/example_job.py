@@ -75,17 +75,28 @@ def make_loader(args: argparse.Namespace, world_size: int, rank: int) -> Resumab
     )
 
 
-def make_build(args: argparse.Namespace):
-    """The factory of the sharded model, its optimizer and its LR schedule."""
+def make_build(args: argparse.Namespace, restoring=lambda: False):
+    """The factory of the sharded model, its optimizer and its LR schedule.
+
+    ``restoring()`` (``p2p_state.restoring`` in the protected script) says the weights will be
+    overwritten from peers: the model is then built on the meta device and its local shards
+    allocated without drawing initial values.
+    """
     cfg = PRESETS[args.model]
 
     def build():
-        with torch.random.fork_rng():
-            torch.manual_seed(args.seed)  # the same initial weights on every rank
-            model = TinyLM(cfg)
+        if restoring():
+            with torch.device("meta"):
+                model = TinyLM(cfg)
+        else:
+            with torch.random.fork_rng():
+                torch.manual_seed(args.seed)  # the same initial weights on every rank
+                model = TinyLM(cfg)
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=False)
         fully_shard(model, reshard_after_forward=False)
+        if restoring():
+            model.to_empty(device="cpu")
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
         return model, optimizer, scheduler

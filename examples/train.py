@@ -30,7 +30,7 @@ import example_job as common  # a sibling of this script
 def main(argv: list[str] | None = None) -> None:
     args = common.parse_args(argv, __doc__.splitlines()[0])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    build = common.make_build(args)
+    build = common.make_build(args, restoring=p2p_state.restoring)
     # A spare waits here until it is given a rank, warmed up by a build and a step meanwhile.
     p2p_state.init_process_group(warmup=build, warmup_step=common.make_warmup_step(args))
     rank, world = dist.get_rank(), dist.get_world_size()

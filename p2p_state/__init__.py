@@ -22,7 +22,7 @@ Typical use inside a training loop (every rank)::
 import importlib
 from typing import TYPE_CHECKING
 
-from p2p_state.api import init_process_group, protect
+from p2p_state.api import init_process_group, protect, restoring
 from p2p_state.placement import Placement, place
 
 #: Where each public name lives. They are imported on first use, so the control plane (which
@@ -85,4 +85,5 @@ __all__ = [
     "init_process_group",
     "place",
     "protect",
+    "restoring",
 ]

@@ -174,6 +174,32 @@ def protect(
     )
 
 
+def restoring() -> bool:
+    """Whether :func:`protect` is running the factory to restore a state into what it builds.
+
+    True while it rebuilds after a fault or a resize and restores from peers' copies (or a cold
+    checkpoint), and while a hot spare warms up: every parameter, persistent buffer and
+    optimizer state value is overwritten next, so the factory may skip initialising the
+    weights, as FSDP2 allows with a model built on the meta device::
+
+        def build():
+            with torch.device("meta") if p2p_state.restoring() else contextlib.nullcontext():
+                model = Transformer(cfg)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            if p2p_state.restoring():
+                model.to_empty(device="cpu")  # storage for the local shards, not initialised
+            ...
+
+    Non-persistent buffers are not part of the state: a factory that skips initialisation must
+    still compute them.
+    """
+    from recovery.warmup import restoring as _restoring
+
+    return _restoring()
+
+
 def config_from_env():
     """The :class:`recovery.config.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
     from p2p_state.config import ReplicationConfig

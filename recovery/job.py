@@ -58,7 +58,7 @@ from recovery.restore import (
     restore_from_peers,
 )
 from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
-from recovery.warmup import Build, capture_rng, restore_rng
+from recovery.warmup import Build, building_for_restore, capture_rng, restore_rng
 
 #: Hooks to attach to every protected job of the process (see :meth:`ProtectedJob.add_hook`).
 ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
@@ -299,10 +299,11 @@ class ProtectedJob:
 
     # -- starting ------------------------------------------------------------------------------
 
-    def _build_state(self, *, restoring: bool = False) -> None:
-        """Run the factory and lay its state out; ``restoring``: a restore from peers' copies
-        overwrites every value next."""
-        built = self._build()
+    def _build_state(self, *, restore_from: str | None = None) -> None:
+        """Run the factory and lay its state out; ``restore_from`` (peers or checkpoint): every
+        value is overwritten from there next, so the factory may skip initialising them."""
+        with building_for_restore() if restore_from else contextlib.nullcontext():
+            built = self._build()
         if not isinstance(built, tuple) or len(built) not in (2, 3):
             raise TypeError(
                 "the factory given to protect() must return (model, optimizer) or "
@@ -315,7 +316,7 @@ class ProtectedJob:
             self.optimizer,
             self.scheduler,
             blob_capacity=self.config.replication.blob_capacity_bytes,
-            keep_optimizer_state=restoring,
+            keep_optimizer_state=restore_from == "peers",
         )
         self._call_hooks("built", model=self.model, optimizer=self.optimizer)
 
@@ -495,7 +496,7 @@ class ProtectedJob:
             if mode == "initial":
                 restore_rng(self._initial_rng)
             self.model = self.optimizer = self.scheduler = self.state = None
-            self._build_state(restoring=mode == "peers")
+            self._build_state(restore_from=None if mode == "initial" else mode)
         extras: dict[str, Any]
         self._source = None
         if mode == "peers":

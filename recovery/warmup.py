@@ -1,10 +1,13 @@
-"""A hot spare's warm-up, and saving and restoring a process's RNG states around it."""
+"""The factory's side of a recovery: a hot spare's warm-up, whether a build is for a restore, and
+saving and restoring a process's RNG states around a warm-up."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +37,24 @@ def restore_rng(saved: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(saved["cuda"])
 
 
+_RESTORING: contextvars.ContextVar[bool] = contextvars.ContextVar("p2p_restoring", default=False)
+
+
+def restoring() -> bool:
+    """Whether the factory is being run for a restore (see :func:`p2p_state.restoring`)."""
+    return _RESTORING.get()
+
+
+@contextlib.contextmanager
+def building_for_restore() -> Iterator[None]:
+    """:func:`restoring` is true inside."""
+    token = _RESTORING.set(True)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
+
+
 def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float:
     """Run the factory once on a private one-rank group, then throw the result away.
 
@@ -56,7 +77,8 @@ def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float
     rng = capture_rng()
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        built = build()
+        with building_for_restore():  # a spare only ever builds to restore a lost rank
+            built = build()
         if step is not None:
             step(built[0], built[1])
         state = TrainingState(*built[:3])

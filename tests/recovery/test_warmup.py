@@ -40,3 +40,17 @@ def test_warm_up_runs_the_step_and_leaves_rng_and_groups_as_they_were():
     assert not dist.is_initialized()
     assert torch.equal(torch.rand(4), expected[0])
     assert (random.random(), np.random.random()) == expected[1:]
+
+
+def test_a_spare_warms_up_the_build_it_will_restore_into():
+    import p2p_state
+
+    seen = []
+
+    def build():
+        seen.append(p2p_state.restoring())
+        return _build()
+
+    assert not p2p_state.restoring()
+    warm_up(build, "gloo")
+    assert seen == [True] and not p2p_state.restoring()
