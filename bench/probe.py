@@ -84,15 +84,28 @@ class Recorder:
     def _write(self, step: int, digest: str) -> None:
         import torch.distributed as dist
 
-        rank = dist.get_rank()
-        self.out.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "rank": rank,
-            "world_size": dist.get_world_size(),
-            "step": step,
-            "digest": digest,
-            "steps": {str(k): v for k, v in sorted(self.steps.items())},
-        }
-        tmp = self.out / f".rank{rank}.json.tmp"
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self.out / f"rank{rank}.json")
+        write_results(
+            self.out,
+            dist.get_rank(),
+            dist.get_world_size(),
+            self.steps,
+            step=step,
+            digest=digest,
+        )
+
+
+def write_results(
+    out: Path, rank: int, world_size: int, steps: Mapping[int, Any], **fields: Any
+) -> None:
+    """``<out>/rank<r>.json``, atomically: what :func:`bench.runner.bitwise_differences` reads
+    (``steps``: a record per step; ``fields``: at least the final state's ``digest``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "rank": rank,
+        "world_size": world_size,
+        "steps": {str(k): v for k, v in sorted(steps.items())},
+        **fields,
+    }
+    tmp = out / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(out / f"rank{rank}.json")

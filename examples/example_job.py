@@ -19,6 +19,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 
 from bench.models import PRESETS, TinyLM, lm_loss
+from bench.probe import write_results
 from dataload.cache import CacheConfig, open_or_build
 from dataload.loader import ResumableLoader
 
@@ -134,18 +135,8 @@ class Results:
 
     def write(self, rank: int, world_size: int, **fields) -> None:
         """``<out>/rank<r>.json``, atomically."""
-        if self.out is None:
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "rank": rank,
-            "world_size": world_size,
-            "steps": {str(k): v for k, v in sorted(self.steps.items())},
-            **fields,
-        }
-        tmp = self.out / f".rank{rank}.json.tmp"
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self.out / f"rank{rank}.json")
+        if self.out is not None:
+            write_results(self.out, rank, world_size, self.steps, **fields)
 
 
 class Timeline:
