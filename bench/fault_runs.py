@@ -268,16 +268,16 @@ def job_info(args: argparse.Namespace) -> dict[str, Any]:
     from bench.models import PRESETS
 
     world = args.nnodes * args.nproc_per_node
+    shape = {
+        "nnodes": args.nnodes,
+        "nproc_per_node": args.nproc_per_node,
+        "world_size": world,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+    }
     if getattr(args, "script", None):
-        return {
-            "script": shlex.join([args.script, *args.script_args]),
-            "model": Path(args.script).name,
-            "nnodes": args.nnodes,
-            "nproc_per_node": args.nproc_per_node,
-            "world_size": world,
-            "steps": args.steps,
-            "checkpoint_every": args.checkpoint_every,
-        }
+        script = shlex.join([args.script, *args.script_args])
+        return {"script": script, "model": Path(args.script).name, **shape}
     cfg = PRESETS[args.model]
     # Parameters and AdamW's two moments, fp32, split over the ranks.
     state_mib = cfg.num_params * 4 * 3 / world / 2**20
@@ -285,11 +285,7 @@ def job_info(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "num_params": cfg.num_params,
         "state_mib_per_rank": round(state_mib, 1),
-        "nnodes": args.nnodes,
-        "nproc_per_node": args.nproc_per_node,
-        "world_size": world,
-        "steps": args.steps,
-        "checkpoint_every": args.checkpoint_every,
+        **shape,
     }
 
 

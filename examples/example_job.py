@@ -86,7 +86,8 @@ def make_build(args: argparse.Namespace, restoring=lambda: False):
     cfg = PRESETS[args.model]
 
     def build():
-        if restoring():
+        skip_init = restoring()
+        if skip_init:
             with torch.device("meta"):
                 model = TinyLM(cfg)
         else:
@@ -96,7 +97,7 @@ def make_build(args: argparse.Namespace, restoring=lambda: False):
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=False)
         fully_shard(model, reshard_after_forward=False)
-        if restoring():
+        if skip_init:
             model.to_empty(device="cpu")
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)

@@ -54,8 +54,9 @@ def allocate(
     """A 1-D ``uint8`` buffer of ``nbytes`` bytes of the given kind.
 
     With ``prefault`` the bytes are zeroed, which touches every page now instead of during the
-    first snapshots; without it their content is undefined until written (every byte a
-    snapshot or a transfer reads is written first).
+    first snapshots. Without it the bytes hold whatever the memory held; those a snapshot never
+    writes (alignment padding) are sent and checksummed as they are, so every copy of a
+    snapshot still agrees with it byte for byte.
     """
     if kind is MemoryKind.GPU:
         if not prefault:
