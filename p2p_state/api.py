@@ -100,6 +100,7 @@ def init_process_group(
     if client_config is not None and client_config.role == "spare":
         # A spare joins the pool only once it is warm: what it needs before its first step
         # costs nothing on the recovery's critical path.
+        import recovery.job  # noqa: F401  (what a restore runs: DCP, the planner, replication)
         from recovery.session import default_backend
         from recovery.warmup import warm_up
 

@@ -278,4 +278,30 @@ def _init_default(
 
         distributed_c10d._world.group_count = 0
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _forget_stale_shardings(world_size, rank)
     return dist.group.WORLD
+
+
+#: This process's rank in each world size that DTensor's caches may hold results for.
+_cached_places: dict[int, int] = {}
+
+
+def _forget_stale_shardings(world_size: int, rank: int) -> None:
+    """Empty DTensor's sharding caches if this process's rank in a world of this size changed.
+
+    DTensor caches sharding decisions keyed by device mesh, and two meshes of the same ranks
+    compare equal whatever this process's place in them. A cached result carries the mesh it
+    was first computed on, and with it that mesh's coordinate of this process: after a resize
+    renumbers the ranks, a world of a size seen before would give the new build the old rank's
+    shard offsets (and pad uneven shards as for the old rank). A replace keeps every survivor's
+    rank, so its caches stay warm.
+    """
+    if _cached_places.get(world_size, rank) != rank:
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        _redistribute.clear_redistribute_planner_cache()
+        _redistribute._gen_transform_infos.cache_clear()
+        _cached_places.clear()
+    _cached_places[world_size] = rank
