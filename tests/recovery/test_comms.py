@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # registers the ``fake`` backend
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from p2p_state.state import TrainingState
+from recovery import comms
 from recovery.comms import _init_default
 
 ROWS = 13  # 4 ranks shard 13 rows as 4/4/4/1: every rank has a different offset
@@ -36,6 +38,9 @@ def leave_no_group():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Later tests in this process must not meet the fake worlds' meshes in DTensor's caches.
+    _clear_sharding_prop_cache()
+    comms._cached_places.clear()
 
 
 def test_a_renumbered_rank_gets_its_new_rank_s_offsets(leave_no_group):
