@@ -10,6 +10,7 @@ FSDP's state-dict helpers run collectives, which must not happen on the recovery
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import random
 import weakref
@@ -83,9 +84,10 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily-built state without changing any parameter.
 
     A fresh optimizer (a spare's, or one rebuilt after a resize) has no state until its first
-    ``step()``, so its layout would differ from its peers'. This runs one step with zero
-    gradients and a zero learning rate, which allocates the state tensors; their values are then
-    overwritten by a restore.
+    ``step()``, so its layout would differ from its peers'. The state is allocated (zeros) from
+    what one step of the same optimizer does to a small stand-in parameter; an optimizer whose
+    state is not shaped like its parameter (plus 0-dim scalars) gets one real step instead, with
+    zero gradients and a zero learning rate. Either way a restore overwrites the values next.
     """
     if optimizer.state:
         return
@@ -94,6 +96,12 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(
             "optimizer has gradients but no state; call ensure_optimizer_state() before backward"
         )
+    if not _allocate_from_stand_ins(optimizer):
+        _dry_step(optimizer, params)
+
+
+def _dry_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """One ``step()`` with zero gradients and a zero learning rate (parameters unchanged)."""
     saved_lrs = []
     for group in optimizer.param_groups:
         saved_lrs.append(group.get("lr"))
@@ -108,6 +116,82 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             if lr is not None:
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+
+
+def _allocate_from_stand_ins(optimizer: torch.optim.Optimizer) -> bool:
+    """Allocate every parameter's state like a stand-in's after one step; False: cannot tell.
+
+    The stand-in is a small plain tensor of the parameter's dtype, device and number of
+    dimensions, in an optimizer of the same class and group settings. Each entry of its state
+    must be either shaped like it (allocated as ``zeros_like(param)``, a DTensor for a DTensor
+    parameter, as the optimizer itself would) or a 0-dim tensor or a number (copied). Costs a
+    few allocations, where a real step on a sharded model costs a full optimizer pass.
+    """
+    try:
+        accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+    except (TypeError, ValueError):
+        return False
+    recipes: dict[tuple, dict[str, Any]] = {}
+    plan: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k in accepted}
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            local = _local(p)
+            if local.dim() == 0:
+                return False  # a 0-dim parameter's state cannot be told from a scalar
+            key = (id(group), local.dtype, local.device, local.dim())
+            if key not in recipes:
+                recipe = _stand_in_state(type(optimizer), settings, local)
+                if recipe is None:
+                    return False
+                recipes[key] = recipe
+            plan.append((p, recipes[key]))
+    with torch.no_grad():
+        for p, recipe in plan:
+            optimizer.state[p] = {
+                k: torch.zeros_like(p) if v is _LIKE_PARAM else _copy_scalar(v)
+                for k, v in recipe.items()
+            }
+    return True
+
+
+_LIKE_PARAM = object()
+_STAND_IN_SIZES = (2, 3, 5, 7, 11, 13)
+
+
+def _stand_in_state(cls: type, settings: dict[str, Any], like: torch.Tensor) -> dict | None:
+    """{state key: _LIKE_PARAM or the scalar value} after one step on a stand-in of ``like``."""
+    if like.dim() > len(_STAND_IN_SIZES):
+        return None
+    shape = _STAND_IN_SIZES[: like.dim()]
+    stand_in = torch.zeros(shape, dtype=like.dtype, device=like.device, requires_grad=True)
+    try:
+        opt = cls([stand_in], **settings)
+        for group in opt.param_groups:
+            if "lr" in group:
+                lr = group["lr"]
+                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        stand_in.grad = torch.zeros_like(stand_in)
+        opt.step()
+    except Exception:  # any optimizer we cannot mimic gets a real step
+        return None
+    recipe: dict[str, Any] = {}
+    for k, v in opt.state.get(stand_in, {}).items():
+        if not isinstance(v, torch.Tensor):
+            recipe[k] = v
+        elif v.shape == stand_in.shape and v.dtype == like.dtype and v.device == like.device:
+            recipe[k] = _LIKE_PARAM
+        elif v.dim() == 0:
+            recipe[k] = v
+        else:
+            return None
+    return recipe or None
+
+
+def _copy_scalar(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
 class TrainingState:

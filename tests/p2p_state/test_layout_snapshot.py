@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import p2p_state.state as state_mod
 from bench.models import PRESETS, build_model, synthetic_batch
 from p2p_state.config import ReplicationConfig
 from p2p_state.layout import (
@@ -18,7 +19,7 @@ from p2p_state.layout import (
 )
 from p2p_state.memory import MemoryKind, allocate, checksum
 from p2p_state.snapshot import DoubleBuffer, SnapshotHeader
-from p2p_state.state import TrainingState
+from p2p_state.state import TrainingState, _dry_step, ensure_optimizer_state
 
 
 def _trained(optimizer_cls, steps=2, **opt_kwargs):
@@ -105,6 +106,44 @@ def test_fresh_optimizer_is_left_untouched_and_restore_builds_its_state():
     for a, b in zip(fresh.live_tensors(), trained.live_tensors()):
         assert torch.equal(a, b)
     assert opt.param_groups[0]["lr"] == trained.optimizer.param_groups[0]["lr"]
+
+
+def _state_shape(opt, model):
+    return [
+        sorted(
+            (k, (type(v), tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) else v)
+            for k, v in opt.state[p].items()
+        )
+        for p in model.parameters()
+    ]
+
+
+@pytest.mark.parametrize(
+    "make, steps",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), 0),
+        (lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01), amsgrad=True), 0),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0),
+        (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 0),
+        (lambda ps: torch.optim.NAdam(ps), 0),
+        (lambda ps: torch.optim.Adafactor(ps), 1),  # factored state: one real (dry) step
+    ],
+    ids=["AdamW", "Adam-amsgrad-tensor-lr", "SGD-momentum", "RMSprop", "NAdam", "Adafactor"],
+)
+def test_optimizer_state_is_created_as_a_real_step_creates_it(make, steps, monkeypatch):
+    dry_steps = []
+    monkeypatch.setattr(state_mod, "_dry_step", lambda *a: dry_steps.append(_dry_step(*a)))
+    model, reference = build_model("tiny", seed=3), build_model("tiny", seed=3)
+    params = [p.detach().clone() for p in model.parameters()]
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    ensure_optimizer_state(opt)
+    _dry_step(ref_opt, list(reference.parameters()))
+    assert opt.state, "the state must exist afterwards"
+    assert _state_shape(opt, model) == _state_shape(ref_opt, reference)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert len(dry_steps) == steps, "only state not shaped like the parameters needs a step"
 
 
 def test_layout_is_aligned_and_round_trips():
