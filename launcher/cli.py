@@ -74,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a lost rank may wait for a spare, seconds (default 60)",
     )
     p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=3,
+        help="recoveries in a row that may fail to get the training past its last committed "
+        "step; one more fault stops the job with a checkpoint (0: stop at the first fault; "
+        "default 3)",
+    )
+    p.add_argument(
         "--coordinator-timeout",
         type=float,
         default=30.0,
@@ -176,6 +185,8 @@ def _validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--allowed-sizes {args.allowed_sizes!r} is not like 2,4,8") from None
     if args.spares < 0:
         raise UsageError("--spares must be >= 0")
+    if args.max_restarts < 0:
+        raise UsageError("--max-restarts must be >= 0 (0: stop the job at the first fault)")
     world = args.nnodes * args.nproc_per_node
     if world > 1 and not 1 <= args.replicas < world:
         raise UsageError(f"--replicas {args.replicas} must be between 1 and {world - 1}")
@@ -252,6 +263,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         str(args.ack_timeout),
         "--spare-wait",
         str(args.spare_wait),
+        "--max-restarts",
+        str(args.max_restarts),
         "--replicas",
         str(args.replicas),
         "--min-ranks",

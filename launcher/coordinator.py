@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
     p.add_argument("--ack-timeout", type=float, default=10.0)
     p.add_argument("--spare-wait", type=float, default=60.0)
+    p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--min-ranks", type=int, default=None)
     p.add_argument("--max-ranks", type=int, default=None)
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                 heartbeat_timeout_s=args.heartbeat_timeout,
                 ack_timeout_s=args.ack_timeout,
                 spare_wait_s=args.spare_wait,
+                max_restarts=args.max_restarts,
                 replicas=args.replicas,
                 elastic=_elastic(args),
             ),

@@ -83,6 +83,11 @@ class MembershipConfig:
     refill_delay_s: float = 5.0
     """A spare used up is replaced once the job replicates again after the change, or after
     this long at the latest (a new spare's start-up competes with the recovery for CPU)."""
+    max_restarts: int = 3
+    """Recoveries from faults in a row without the training advancing (no new committed step
+    since the previous one): one more fault then stops the job with a checkpoint instead. A
+    fault that repeats on every recovery (a rank that cannot restore) ends instead of using up
+    spares forever, while a long job survives any number of unrelated faults."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
@@ -98,6 +103,8 @@ class MembershipConfig:
         for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MembershipConfig.{name} must be > 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"MembershipConfig.max_restarts={self.max_restarts} must be >= 0")
         if self.elastic is not None:
             if not self.elastic.min_ranks <= self.world_size <= self.elastic.max_ranks:
                 raise ValueError(
@@ -173,6 +180,10 @@ class Membership:
         self.stopping: Generation | None = None
         """The final generation (checkpoint and stop) once the job must stop."""
         self.stop_deadline = 0.0
+        self.restarts = 0
+        """Generations started for faults since the committed step last advanced past
+        ``restart_mark`` (the committed step the latest of them restored)."""
+        self.restart_mark = -1
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -241,6 +252,8 @@ class Membership:
         self.replicated[rank] = step
         after = self.committed_step
         out: list[Any] = [Event("committed", {"step": after})] if after > before else []
+        if self.restarts and after > self.restart_mark:
+            self.restarts = 0  # the training advanced since the last recovery
         return out + self._release_refills(force=False)
 
     def request_size(self, size: int, now: float) -> list[Any]:
@@ -354,6 +367,8 @@ class Membership:
         requested = self.requested_size
         if self.switching and not self.vacant:
             return []  # one graceful resize at a time: wait until its members have switched
+        if self.vacant and self.restarts >= self.config.max_restarts:
+            return self._stop(self._budget_spent(), now)
         capacity = Capacity(
             world_size=self.world_size,
             active={r: self.procs[i].node for r, i in self.ranks.items()},
@@ -377,6 +392,17 @@ class Membership:
             return self._stop(reason, now)
         assert isinstance(decision, Hold)
         return self._notify(decision, now)
+
+    def _budget_spent(self) -> str:
+        lost = f"rank(s) {sorted(self.vacant)} lost"
+        if self.config.max_restarts == 0:
+            return f"{lost} and --max-restarts is 0 (no recovery allowed)"
+        return (
+            f"{lost} again after {self.restarts} recoveries in a row that never got the "
+            f"training past step {self.restart_mark} (--max-restarts "
+            f"{self.config.max_restarts}): the failing rank's log says why; fix that, or "
+            "raise --max-restarts"
+        )
 
     def _replace(self, assignments: dict[int, str], now: float) -> list[Any]:
         out: list[Any] = []
@@ -612,6 +638,9 @@ class Membership:
             graceful=graceful,
             ack_timeout_s=self.config.ack_timeout_s,
         )
+        if lost and directive == "train":
+            self.restarts += 1
+            self.restart_mark = gen.committed_step
         superseded = self.pending
         self.pending = gen
         self.awaiting = set(gen.ranks.values())

@@ -293,3 +293,53 @@ def test_a_rank_that_ends_without_saying_done_stops_every_decision():
     assert names(m.exited("rank/2", 0, 1.0)) == ["rank_finished"]
     out = m.tick(2.0) + m.hello(Process("spare/9", "spare", 1, 3000), None, 2.5) + m.tick(40.0)
     assert not of(out, Send) and not of(out, End)
+
+
+def _replicate(m, step):
+    for identity in m.ranks.values():
+        m.report_replicated(identity, step, m.generation)
+
+
+def test_a_fault_that_repeats_on_every_recovery_stops_the_job_after_max_restarts():
+    m, _ = job(spares=5, max_restarts=2, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    _replicate(m, 7)
+    # The spare given rank 1 dies while restoring, twice: each time the job recovers again.
+    out = m.exited("rank/1", -9, 1.0)
+    assert of(out, Send)[0].generation.directive == "train"
+    out = m.exited(m.ranks[1], 1, 2.0)
+    assert of(out, Send)[0].generation.directive == "train"
+    # The third loss without a new committed step uses up the budget: the survivors (the
+    # failing rank is among the lost) checkpoint step 7 and the job ends, spares unused.
+    out = m.exited(m.ranks[1], 1, 3.0)
+    (final,) = of(out, Send)
+    gen = final.generation
+    assert gen.directive == "checkpoint" and gen.world_size == 3 and gen.committed_step == 7
+    assert "--max-restarts 2" in gen.reason and "past step 7" in gen.reason
+    assert "spare_assigned" not in names(out) and len(m.spares) == 3
+
+
+def test_faults_with_progress_between_them_are_recovered_without_limit():
+    m, _ = job(spares=1, max_restarts=1, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    for k in range(5):
+        _replicate(m, 10 * k)
+        m.hello(Process(f"spare/new{k}", "spare", 0, 5000 + k), None, k + 0.2)
+        out = m.exited(m.ranks[2], -9, k + 0.5)
+        (send,) = of(out, Send)
+        assert send.generation.directive == "train" and send.generation.committed_step == 10 * k
+        ack_all(m, k + 0.6)
+        _replicate(m, 10 * k)  # the restored step again is not progress...
+        assert m.restarts == 1
+        _replicate(m, 10 * k + 1)  # ...its next step is
+        assert m.restarts == 0
+
+
+def test_max_restarts_zero_stops_at_the_first_fault():
+    m, _ = job(spares=1, max_restarts=0, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    (final,) = of(m.exited("rank/0", -9, 1.0), Send)
+    assert final.generation.directive == "checkpoint"
+    assert "--max-restarts is 0" in final.generation.reason
+    with pytest.raises(ValueError, match="max_restarts"):
+        MembershipConfig(world_size=2, ranks_per_node=1, max_restarts=-1)

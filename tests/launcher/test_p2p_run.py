@@ -103,6 +103,7 @@ def _run_cli(*args, timeout=60):
         (["--nnodes", "2", "--node-rank", "2", WORKER], "--node-rank 2 is outside 0..1"),
         (["--node-rank", "1", "--nnodes", "2", WORKER], "need --coordinator"),
         (["--coordinator", "nohost", WORKER], "is not host:port"),
+        (["--max-restarts", "-1", WORKER], "--max-restarts must be >= 0"),
     ],
 )
 def test_bad_cli_input_is_one_clear_line(tmp_path, args, message):

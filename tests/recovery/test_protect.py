@@ -141,6 +141,18 @@ def test_without_a_checkpoint_the_loss_of_every_copy_ends_the_job_clearly(tmp_pa
     assert "no complete checkpoint" in printed[0]
 
 
+def test_max_restarts_zero_stops_at_the_first_fault_with_a_checkpoint(tmp_path, data_cache):
+    outcome = run(
+        tmp_path, data_cache, faults=("kill:rank=3@step=4",), launcher_args=("--max-restarts", "0")
+    )
+    assert outcome.codes == [1, 1]
+    printed = [line for line in outcome.job.output(1).splitlines() if line.startswith("p2p-run:")]
+    assert len(printed) == 1 and "--max-restarts is 0" in printed[0], printed
+    assert not outcome.events("spare_assigned"), "the spare must not be used"
+    (written,) = {e["step"] for e in outcome.events("stop_checkpoint_written")}
+    assert complete_steps(str(outcome.job.run_dir / "checkpoints")) == [written]
+
+
 def test_no_spare_stops_with_a_checkpoint_that_a_resumed_job_continues_bitwise(
     tmp_path, data_cache, reference
 ):
