@@ -128,13 +128,16 @@ def _allocate_from_stand_ins(optimizer: torch.optim.Optimizer) -> bool:
     few allocations, where a real step on a sharded model costs a full optimizer pass.
     """
     try:
-        accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+        signature = inspect.signature(type(optimizer).__init__).parameters
     except (TypeError, ValueError):
         return False
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
     recipes: dict[tuple, dict[str, Any]] = {}
     plan: list[tuple[torch.Tensor, dict[str, Any]]] = []
     for group in optimizer.param_groups:
-        settings = {k: v for k, v in group.items() if k in accepted}
+        settings = {
+            k: v for k, v in group.items() if k != "params" and (takes_any or k in signature)
+        }
         for p in group["params"]:
             if not p.requires_grad:
                 continue

@@ -108,6 +108,13 @@ def test_fresh_optimizer_is_left_untouched_and_restore_builds_its_state():
     assert opt.param_groups[0]["lr"] == trained.optimizer.param_groups[0]["lr"]
 
 
+class _KwargsAdam(torch.optim.Adam):
+    """A user's optimizer that passes its settings through ``**kwargs``."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+
+
 def _state_shape(opt, model):
     return [
         sorted(
@@ -127,8 +134,17 @@ def _state_shape(opt, model):
         (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 0),
         (lambda ps: torch.optim.NAdam(ps), 0),
         (lambda ps: torch.optim.Adafactor(ps), 1),  # factored state: one real (dry) step
+        (lambda ps: _KwargsAdam(ps, lr=0.01, amsgrad=True), 0),
     ],
-    ids=["AdamW", "Adam-amsgrad-tensor-lr", "SGD-momentum", "RMSprop", "NAdam", "Adafactor"],
+    ids=[
+        "AdamW",
+        "Adam-amsgrad-tensor-lr",
+        "SGD-momentum",
+        "RMSprop",
+        "NAdam",
+        "Adafactor",
+        "kwargs-only",
+    ],
 )
 def test_optimizer_state_is_created_as_a_real_step_creates_it(make, steps, monkeypatch):
     dry_steps = []
