@@ -150,9 +150,11 @@ class ControlClient:
         """Append an event to the job's event log (source: this process's identity)."""
         self.events.write(name, **fields)
 
-    def report_done(self) -> None:
-        """Tell the coordinator this rank completed its training and is about to exit."""
-        self._post(protocol.DONE, {})
+    def report_done(self, checkpoint_step: int | None = None) -> None:
+        """Tell the coordinator this rank completed its training and is about to exit;
+        ``checkpoint_step``: it is leaving a stopping job, having written that checkpoint."""
+        body = {} if checkpoint_step is None else {"checkpoint_step": int(checkpoint_step)}
+        self._post(protocol.DONE, body)
 
     def ack(self, generation: int) -> None:
         """Acknowledge a generation (after this rank has joined it)."""

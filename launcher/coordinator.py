@@ -205,7 +205,10 @@ class Coordinator:
         elif msg.type == protocol.HEARTBEAT:
             pass
         elif msg.type == protocol.DONE:
-            self._apply(self.membership.report_done(msg.sender))
+            step = body.get("checkpoint_step")
+            self._apply(
+                self.membership.report_done(msg.sender, None if step is None else int(step))
+            )
         elif msg.type == protocol.REPLICATED:
             generation = body.get("generation")
             self._apply(

@@ -180,6 +180,8 @@ class Membership:
         self.stopping: Generation | None = None
         """The final generation (checkpoint and stop) once the job must stop."""
         self.stop_deadline = 0.0
+        self.stop_written: dict[str, int] = {}
+        """Members of the stopping generation that reported the stop checkpoint written."""
         self.restarts = 0
         """Generations started for faults since the committed step last advanced past
         ``restart_mark`` (the committed step the latest of them restored)."""
@@ -229,9 +231,14 @@ class Membership:
         if identity in self.procs and identity not in self.done:
             self.last_seen[identity] = now
 
-    def report_done(self, identity: str) -> list[Any]:
-        """A rank completed its training and is about to exit: stop watching its heartbeats."""
+    def report_done(self, identity: str, checkpoint_step: int | None = None) -> list[Any]:
+        """A rank completed its training and is about to exit: stop watching its heartbeats.
+
+        ``checkpoint_step``: a member of the stopping generation wrote the stop checkpoint.
+        """
         rank = self.rank_of(identity)
+        if self.stopping is not None and checkpoint_step is not None and rank is not None:
+            self.stop_written[identity] = checkpoint_step
         if rank is None or identity in self.done:
             return []
         self.done.add(identity)
@@ -590,7 +597,16 @@ class Membership:
         members = set(self.stopping.ranks.values())
         self.gone.add(identity)
         if members <= self.gone and not self.ended:
-            return self._end(1, f"{self.stopping.reason}; the survivors wrote a checkpoint")
+            reason = self.stopping.reason
+            missing = sorted(members - set(self.stop_written))
+            if not missing:
+                step = min(self.stop_written[m] for m in members)
+                return self._end(1, f"{reason}; the survivors wrote a checkpoint of step {step}")
+            return self._end(
+                1,
+                f"{reason}; the survivors could not write a checkpoint ({', '.join(missing)} "
+                "failed before it was written: see their logs)",
+            )
         return []
 
     def _new_generation(

@@ -55,7 +55,8 @@ HEARTBEAT = "heartbeat"
 REPLICATED = "replicated"  # rank: {"step", "generation"}
 ERROR = "error"  # rank: {"reason"} (a collective failed or timed out)
 ACK = "ack"  # rank/spare: {"generation"}
-DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now)
+DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now);
+# {"checkpoint_step"} when it leaves a stopping job after writing the stop checkpoint
 SCALE = "scale"  # operator (p2p-run scale): {"size"}: the world size the job should have
 EXITED = "exited"  # agent: {"identity", "pid", "code"}
 GENERATION = "generation"  # coordinator -> ranks and assigned spares (see launcher.client)

@@ -65,6 +65,12 @@ ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
 
 logger = logging.getLogger(__name__)
 
+#: After a fault, how long a rank waits for its replication worker to leave the aborted round
+#: before it goes on without it (the worker only ever writes slots that are not published).
+#: Well inside the next generation's join deadline (half of --ack-timeout): a worker that does
+#: not notice the abort must not make this rank miss the generation that would replace it.
+_ABANDON_WAIT_S = 1.0
+
 #: Messages of gloo and NCCL errors that mean a peer or a link failed, not a bug in the step.
 _COMM_FAILURES = (
     "Connection closed by peer",
@@ -401,7 +407,7 @@ class ProtectedJob:
         if self._session.comms is not None:
             self._session.comms.abort()
         for store in self._stores:
-            store.abandon()
+            store.abandon(_ABANDON_WAIT_S)
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None
@@ -452,7 +458,7 @@ class ProtectedJob:
                 if self._session.comms is not None:
                     self._session.comms.abort()
                 for store in self._stores:
-                    store.abandon()
+                    store.abandon(_ABANDON_WAIT_S)
                 caught_t = time.monotonic()
                 cause = e
 
@@ -594,6 +600,8 @@ class ProtectedJob:
             rank_states, world = self._rank_states(step), self._source.world_size
         ckpt.save(step, self._extras(), rank_states=rank_states, world_size=world)
         self._session.event("stop_checkpoint_written", step=step, root=root)
+        if self._session.client is not None:
+            self._session.client.report_done(checkpoint_step=step)
         logger.error("the job stops: %s; a checkpoint of step %d is in %s", info.reason, step, root)
         self._shutdown()
         raise SystemExit(1)

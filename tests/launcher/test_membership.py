@@ -175,10 +175,24 @@ def test_no_spare_waits_then_the_survivors_checkpoint_and_the_job_fails_clearly(
     assert gen.ranks == {0: "rank/0", 1: "rank/1", 2: "rank/2"}
     assert gen.to_body(full=False)["full"] is True  # renumbered: everyone gets the full maps
     assert "no spare for ranks [3]" in gen.reason and "--spares" in gen.reason
+    for identity in gen.ranks.values():
+        m.report_done(identity, checkpoint_step=gen.committed_step)
     assert not of(m.exited("rank/0", 1, 12.0) + m.exited("rank/1", 1, 12.1), End)
     (end,) = of(m.exited("rank/2", 1, 12.2), End)
     assert end.code == 1 and "no spare for ranks [3]" in end.reason
-    assert "checkpoint" in end.reason
+    assert f"the survivors wrote a checkpoint of step {gen.committed_step}" in end.reason
+
+
+def test_a_stop_whose_checkpoint_was_not_written_says_so():
+    m, _ = job(spares=0, spare_wait_s=10.0, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    m.exited("rank/3", -9, 1.0)
+    m.tick(11.5)
+    m.report_done("rank/0", checkpoint_step=5)  # one member wrote its part, then the save...
+    out = m.exited("rank/0", 1, 12.0) + m.fault("rank/1", "reported: store timeout", 12.1)
+    (end,) = of(out + m.exited("rank/2", 1, 12.2), End)  # ...failed on the others
+    assert "could not write a checkpoint (rank/1, rank/2 failed" in end.reason
+    assert "wrote a checkpoint" not in end.reason
 
 
 def test_a_stop_that_does_not_finish_in_time_still_ends_the_job():

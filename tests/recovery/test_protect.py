@@ -168,6 +168,7 @@ def test_no_spare_stops_with_a_checkpoint_that_a_resumed_job_continues_bitwise(
     assert len(printed) == 1 and "no spare for ranks [3]" in printed[0], printed
     (written,) = {e["step"] for e in stopped.events("stop_checkpoint_written")}
     assert 0 < written < 4
+    assert f"the survivors wrote a checkpoint of step {written}" in printed[0]
     ckpt = stopped.job.run_dir / "checkpoints"
     assert complete_steps(str(ckpt)) == [written]
 
