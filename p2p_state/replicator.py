@@ -24,8 +24,10 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -624,10 +626,14 @@ class Replicator:
             self._queue.put(None)
             self._worker.join(timeout=timeout_s)
             if self._worker.is_alive():
+                frame = sys._current_frames().get(self._worker.ident)
+                where = "".join(traceback.format_stack(frame, limit=4)) if frame else "?\n"
                 logger.error(
-                    "rank %d: replication worker still busy after %.0fs; leaving it (daemon)",
+                    "rank %d: replication worker still busy after %.1fs; leaving it (daemon). "
+                    "It is at:\n%s",
                     self.rank,
                     timeout_s,
+                    where.rstrip(),
                 )
                 return False
         return True

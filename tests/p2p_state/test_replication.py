@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+
 import pytest
 
 from launcher.local import WorkerGroupConfig, run_local
+from p2p_state.replicator import Replicator
 from tests.p2p_state import _workers
 
 pytestmark = pytest.mark.slow
@@ -95,3 +100,23 @@ def test_configuration_that_does_not_fit_is_refused_with_the_numbers_and_the_fix
     for r in run_local(_workers.refuses_what_does_not_fit, cfg):
         assert "snapshots (2 x" in r["error"] and "replicas for ranks" in r["error"]
         assert "max_memory_fraction" in r["error"] and "lower the replication factor" in r["error"]
+
+
+def test_a_worker_that_does_not_stop_is_left_with_where_it_is_stuck(caplog):
+    release = threading.Event()
+
+    def stuck_in_a_collective():
+        release.wait(30)
+
+    rep = Replicator.__new__(Replicator)  # only the worker's bookkeeping is exercised
+    rep.rank, rep._fence_handle, rep._queue = 3, None, queue.Queue()
+    rep._worker = threading.Thread(target=stuck_in_a_collective, daemon=True)
+    rep._worker.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="p2p_state.replicator"):
+            assert rep._stop_worker(0.2) is False
+        assert "rank 3: replication worker still busy after 0.2s" in caplog.text
+        assert "in stuck_in_a_collective" in caplog.text and "release.wait(30)" in caplog.text
+    finally:
+        release.set()
+        rep._worker.join(5)
