@@ -102,11 +102,7 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _dry_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """One ``step()`` with zero gradients and a zero learning rate (parameters unchanged)."""
-    saved_lrs = []
-    for group in optimizer.param_groups:
-        saved_lrs.append(group.get("lr"))
-        if "lr" in group:
-            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    saved_lrs = [_zero_lr(group) for group in optimizer.param_groups]
     for p in params:
         p.grad = torch.zeros_like(p)
     try:
@@ -116,6 +112,14 @@ def _dry_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> N
             if lr is not None:
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+
+
+def _zero_lr(group: dict[str, Any]) -> Any:
+    """Set a parameter group's learning rate to zero (of its type); returns the old one."""
+    lr = group.get("lr")
+    if lr is not None:
+        group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+    return lr
 
 
 def _allocate_from_stand_ins(optimizer: torch.optim.Optimizer) -> bool:
@@ -173,9 +177,7 @@ def _stand_in_state(cls: type, settings: dict[str, Any], like: torch.Tensor) -> 
     try:
         opt = cls([stand_in], **settings)
         for group in opt.param_groups:
-            if "lr" in group:
-                lr = group["lr"]
-                group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+            _zero_lr(group)
         stand_in.grad = torch.zeros_like(stand_in)
         opt.step()
     except Exception:  # any optimizer we cannot mimic gets a real step
