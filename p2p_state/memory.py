@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
 import zlib
 
 import torch
@@ -64,6 +65,52 @@ def allocate(
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind is MemoryKind.PINNED)
     return buf.zero_() if prefault else buf
+
+
+class BufferPool:
+    """Buffers a previous generation's stores gave back, for the slots of the next one.
+
+    A recovery's new replicator needs as many buffers as the old one had, of the same sizes when
+    the world size is unchanged, while the old one's copies are still the fallback. Its slots
+    take their buffers from here as they are first written, by which time the old stores have
+    given back what they no longer need: no fresh memory is touched (host memory: no page
+    faults; pinned memory: no pinning, which is slower still) on the way back to training.
+
+    Thread-safe: slots are taken by the training thread and the replication worker.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[tuple[MemoryKind, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self.reused_bytes = 0
+        """Bytes handed out from given-back buffers (fresh allocations not counted)."""
+
+    def put(self, kind: MemoryKind, buffer: torch.Tensor) -> None:
+        """Give ``buffer`` (1-D ``uint8`` of ``kind``) to the pool; its bytes are not kept."""
+        with self._lock:
+            self._free.append((kind, buffer))
+
+    def take(self, nbytes: int, kind: MemoryKind, device: torch.device) -> torch.Tensor:
+        """A buffer of ``nbytes`` bytes: the smallest given-back one that fits, else a new one.
+
+        Either way its bytes are whatever they were (see :func:`allocate` without prefault).
+        """
+        where = torch.device(device) if kind is MemoryKind.GPU else torch.device("cpu")
+        with self._lock:
+            fits = [
+                (b.numel(), i)
+                for i, (k, b) in enumerate(self._free)
+                if k is kind and b.device == where and b.numel() >= nbytes
+            ]
+            if fits:
+                _, i = min(fits)
+                self.reused_bytes += nbytes
+                return self._free.pop(i)[1][:nbytes]
+        return allocate(nbytes, kind, device, prefault=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._free)
 
 
 def available_bytes(kind: MemoryKind, device: torch.device) -> int:

@@ -38,7 +38,14 @@ import torch.distributed as dist
 
 from p2p_state.config import ReplicationConfig
 from p2p_state.layout import LayoutMismatchError, StateLayout, check_same_structure
-from p2p_state.memory import Checksum, MemoryKind, check_fits, checksum, resolve_kind
+from p2p_state.memory import (
+    BufferPool,
+    Checksum,
+    MemoryKind,
+    check_fits,
+    checksum,
+    resolve_kind,
+)
 from p2p_state.placement import Placement, place
 from p2p_state.snapshot import HEADER_WORDS, DoubleBuffer, Slot, SnapshotHeader
 from p2p_state.state import TrainingState
@@ -136,10 +143,12 @@ class Replicator:
         placement: Who holds whose replica; by default :func:`place` over the default group's
             world with ``ranks_per_node``.
         prefault: Zero the snapshot and replica buffers now, so the first rounds do not pay
-            the page faults (at a job's start). A recovery passes ``False``: its buffers are
-            then touched as they are first written (the own slot by the snapshot of the
-            restored state, the replicas by the worker thread), not all at once on its
-            critical path.
+            the page faults (at a job's start; not with ``recycle``).
+        recycle: A recovery's pool of the previous generation's buffers (see
+            :meth:`give_back`): each slot takes its buffer from there when it is first
+            written (the own slots by the snapshots of the restored and the next step, the
+            replicas by the worker thread), and a new one, not prefaulted, only if none fits.
+            Nothing is allocated on the recovery's critical path.
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class Replicator:
         group: dist.ProcessGroup | None = None,
         placement: Placement | None = None,
         prefault: bool = True,
+        recycle: BufferPool | None = None,
     ) -> None:
         self.state = state
         self.config = config or ReplicationConfig()
@@ -208,9 +218,13 @@ class Replicator:
             state.layout.describe(),
             self.backend,
         )
-        self.own = DoubleBuffer(state.layout.total_bytes, self.kind, self.device, prefault)
+        self.own = DoubleBuffer(
+            state.layout.total_bytes, self.kind, self.device, prefault, pool=recycle
+        )
         self.replicas = {
-            o: DoubleBuffer(self.layouts[o].total_bytes, self.kind, self.device, prefault)
+            o: DoubleBuffer(
+                self.layouts[o].total_bytes, self.kind, self.device, prefault, pool=recycle
+            )
             for o in self.owners
         }
         self.memory_bytes = {self.kind.value: own_bytes + replica_bytes}
@@ -265,7 +279,7 @@ class Replicator:
             ReplicationError: an earlier round failed, or the previous round outlived the
                 deadline.
         """
-        if step % self.config.interval_steps:
+        if not self.due(step):
             return False
         self._wait_idle()
         slot = self.own.writable()
@@ -284,6 +298,10 @@ class Replicator:
             self._in_flight += 1
         self._queue.put(_Round(step, slot, copied, time.perf_counter() - t0))
         return True
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`replicate` snapshots ``step`` (one step in ``interval_steps``)."""
+        return step % self.config.interval_steps == 0
 
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait until every queued round is committed; returns the committed step."""
@@ -566,7 +584,7 @@ class Replicator:
                 incoming = torch.empty(
                     self.state.layout.total_bytes,
                     dtype=torch.uint8,
-                    device=self.own.slots[0].buffer.device,
+                    device=self.device if self.kind is MemoryKind.GPU else "cpu",
                 )
                 recvs += [Recv(holder, incoming_header.view(torch.uint8)), Recv(holder, incoming)]
                 result = {"holder": holder, "nbytes": incoming.numel()}
@@ -617,6 +635,25 @@ class Replicator:
             if self._failure is None:
                 self._failure = ReplicationError("replication was abandoned after a fault")
         return self._stop_worker(timeout_s)
+
+    def give_back(self, pool: BufferPool, keep_step: int | None = None) -> int:
+        """Move the buffers of every copy but those of ``keep_step`` (all, with ``None``) into
+        ``pool``, for the next generation's replicator; the copies of ``keep_step`` stay
+        readable here.
+
+        Only after :meth:`abandon`, and only once the worker has stopped: a worker left behind
+        may still write into its slots, so then nothing is given back.
+
+        Returns:
+            The bytes given back.
+        """
+        if self._failure is None:
+            raise RuntimeError("give_back() is for an abandoned replicator")
+        if self._worker.is_alive():
+            return 0
+        with self._lock:
+            buffers = [self.own, *self.replicas.values()]
+            return sum(b.give_back(pool, keep_step) for b in buffers)
 
     def _stop_worker(self, timeout_s: float) -> bool:
         if self._fence_handle is not None:

@@ -1,8 +1,8 @@
 """Double-buffered snapshot slots and the header every snapshot or replica carries.
 
-A :class:`DoubleBuffer` holds two preallocated slots. A new snapshot is always written into the
-slot that does *not* hold the latest complete one, and only becomes visible (gets a header) once
-it is whole, so a failure half-way through a copy or a transfer never destroys the last good copy.
+A :class:`DoubleBuffer` holds two slots. A new snapshot is always written into the slot that
+does *not* hold the latest complete one, and only becomes visible (gets a header) once it is
+whole, so a failure half-way through a copy or a transfer never destroys the last good copy.
 The same structure holds a rank's own snapshots and each replica it keeps for a buddy.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_state.memory import MemoryKind, allocate, checksum
+from p2p_state.memory import BufferPool, MemoryKind, allocate, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,13 @@ class SnapshotHeader:
 
 
 class Slot:
-    """One preallocated buffer and, once it holds a complete snapshot, that snapshot's header."""
+    """One buffer and, once it holds a complete snapshot, that snapshot's header.
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    The buffer is ``None`` until the slot is first written when its :class:`DoubleBuffer` draws
+    from a pool, and again once it has been given back.
+    """
+
+    def __init__(self, buffer: torch.Tensor | None) -> None:
         self.buffer = buffer
         self.header: SnapshotHeader | None = None
         self.corrupt = False
@@ -108,27 +112,71 @@ class Slot:
 class DoubleBuffer:
     """Two slots of ``nbytes`` bytes; the latest complete slot is never handed out for writing.
 
+    Both buffers are allocated now, or, with a ``pool``, each is taken from it when its slot is
+    first written (a recovering replicator's slots reuse what the previous generation's stores
+    give back by then).
+
     Not thread-safe by itself: the replicator writes slots from its worker thread only, and readers
     go through its lock.
     """
 
     def __init__(
-        self, nbytes: int, kind: MemoryKind, device: torch.device, prefault: bool = True
+        self,
+        nbytes: int,
+        kind: MemoryKind,
+        device: torch.device,
+        prefault: bool = True,
+        pool: BufferPool | None = None,
     ) -> None:
         self.nbytes = nbytes
         self.kind = kind
-        self.slots = (
-            Slot(allocate(nbytes, kind, device, prefault)),
-            Slot(allocate(nbytes, kind, device, prefault)),
-        )
+        self.device = device
+        self._pool = pool
+        if pool is None:
+            self.slots = (
+                Slot(allocate(nbytes, kind, device, prefault)),
+                Slot(allocate(nbytes, kind, device, prefault)),
+            )
+        else:
+            self.slots = (Slot(None), Slot(None))
         self._latest: Slot | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """Whether both slots have their buffers."""
+        return all(slot.buffer is not None for slot in self.slots)
 
     def writable(self) -> Slot:
         """The slot to write the next snapshot into; it is marked incomplete."""
         slot = self.slots[1] if self._latest is self.slots[0] else self.slots[0]
         slot.header = None
         slot.corrupt = False
+        if slot.buffer is None:
+            if self._pool is not None:
+                slot.buffer = self._pool.take(self.nbytes, self.kind, self.device)
+            else:
+                slot.buffer = allocate(self.nbytes, self.kind, self.device, prefault=False)
+            if self.allocated:
+                self._pool = None  # what is left in it is not kept alive by this buffer
         return slot
+
+    def give_back(self, pool: BufferPool, keep_step: int | None = None) -> int:
+        """Move the buffers of the slots not holding ``keep_step`` into ``pool``.
+
+        Those slots are empty afterwards (never found, never the latest); a slot holding
+        ``keep_step`` stays as it is. Only for a buffer nothing writes any more (a stopped
+        replicator's). Returns the bytes given back.
+        """
+        given = 0
+        for slot in self.slots:
+            if slot.buffer is None or (slot.header is not None and slot.header.step == keep_step):
+                continue
+            pool.put(self.kind, slot.buffer)
+            given += slot.buffer.numel()
+            slot.buffer, slot.header = None, None
+            if self._latest is slot:
+                self._latest = None
+        return given
 
     def publish(self, slot: Slot, header: SnapshotHeader) -> None:
         """Mark ``slot`` complete with ``header``; it becomes the latest."""

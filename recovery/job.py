@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from p2p_state.memory import BufferPool
 from p2p_state.placement import Placement
 from p2p_state.replicator import ReplicationError, Replicator, state_device
 from p2p_state.state import TrainingState
@@ -136,6 +137,7 @@ class ProtectedJob:
         """The last completed step (the iterator yields ``step_done + 1`` next)."""
         self.recoveries: list[RecoveryRecord] = []
         self._stores: list[Replicator] = []
+        self._pool: BufferPool | None = None
         self._restored_step = -1
         self._current: int | None = None
         self._hooks: list[Hook] = []
@@ -274,16 +276,12 @@ class ProtectedJob:
         # commit of replication, so every rank switches after the same step and none is lost.
         self.replicator.signal = self._session.pending_graceful()
         previous = self._last_replicated
+        if len(self._stores) > 1:
+            self._release_old_stores(step)
         took = self.replicator.replicate(step, self._extras())
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(step, self._extras())
         self.step_done = step
-        if len(self._stores) > 1 and self.replicator.committed_step >= self._restored_step:
-            # The new generation's copies cover the restored step everywhere: the old ones
-            # are no longer needed.
-            for old in self._stores[1:]:
-                old.abandon()
-            self._stores = self._stores[:1]
         if self._first_step_pending is not None:
             rec = self._first_step_pending
             self._first_step_pending = None
@@ -302,6 +300,26 @@ class ProtectedJob:
             if target and target > self.generation:
                 self.replicator.flush()  # this step is committed everywhere: nothing is lost
                 self._switch(step)
+
+    def _release_old_stores(self, step: int) -> None:
+        """Once the new generation's copies cover the restored step everywhere, the previous
+        generations' stores are no longer needed: their memory goes to the new slots."""
+        if self.replicator.due(step):
+            # replicate() is about to wait for the round in flight anyway: wait first, so the
+            # snapshot it takes can already go into an old buffer.
+            self.replicator.flush()
+        if self.replicator.committed_step < self._restored_step:
+            return
+        given = sum(old.give_back(self._pool) for old in self._stores[1:])
+        self._session.event(
+            "previous_copies_released",
+            generation=self.generation,
+            step=step,
+            given_bytes=given,
+            reused_bytes=self._pool.reused_bytes,
+        )
+        self._stores = self._stores[:1]
+        self._pool = None
 
     # -- starting ------------------------------------------------------------------------------
 
@@ -344,6 +362,13 @@ class ProtectedJob:
                 f"{k + 1} ranks; it has {dist.get_world_size()}: run more ranks or lower k "
                 "(p2p-run --replicas, ReplicationConfig.k)"
             )
+        if recovering:
+            # The previous generations' stores keep the copies of the restored step (the
+            # fallback until the new ones are made); the rest of their memory is reused.
+            if self._pool is None:
+                self._pool = BufferPool()
+            for old in self._stores:
+                old.give_back(self._pool, keep_step=step)
         rep = Replicator(
             self.state,
             self.config.replication,
@@ -353,6 +378,7 @@ class ProtectedJob:
             group=self._replication_group(),
             placement=self._placement(info),
             prefault=not recovering,
+            recycle=self._pool if recovering else None,
         )
         self.replicator = rep
         self._stores.insert(0, rep)

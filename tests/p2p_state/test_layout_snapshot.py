@@ -17,7 +17,7 @@ from p2p_state.layout import (
     StateLayout,
     check_same_structure,
 )
-from p2p_state.memory import MemoryKind, allocate, checksum
+from p2p_state.memory import BufferPool, MemoryKind, allocate, checksum
 from p2p_state.snapshot import DoubleBuffer, SnapshotHeader
 from p2p_state.state import TrainingState, _dry_step, ensure_optimizer_state
 
@@ -217,6 +217,61 @@ def test_double_buffer_never_hands_out_the_latest_complete_slot():
     # Taking the next slot invalidates only the older one.
     db.writable()
     assert db.complete_steps() == [5]
+
+
+CPU = torch.device("cpu")
+
+
+def _publish(db: DoubleBuffer, step: int) -> None:
+    slot = db.writable()
+    slot.buffer.fill_(step)
+    db.publish(slot, SnapshotHeader(step, 0, "0" * 16, db.nbytes, checksum(slot.buffer), 1))
+
+
+def test_pool_hands_out_the_smallest_given_buffer_that_fits_and_allocates_otherwise():
+    pool = BufferPool()
+    big, small = torch.empty(200, dtype=torch.uint8), torch.empty(100, dtype=torch.uint8)
+    pool.put(MemoryKind.HOST, big)
+    pool.put(MemoryKind.HOST, small)
+    pool.put(MemoryKind.PINNED, torch.empty(500, dtype=torch.uint8))  # another kind: never used
+    first = pool.take(90, MemoryKind.HOST, CPU)
+    assert first.numel() == 90 and first.data_ptr() == small.data_ptr()
+    second = pool.take(150, MemoryKind.HOST, CPU)
+    assert second.numel() == 150 and second.data_ptr() == big.data_ptr()
+    fresh = pool.take(300, MemoryKind.HOST, CPU)
+    assert fresh.numel() == 300 and len(pool) == 1  # only the pinned one is left
+    assert pool.reused_bytes == 90 + 150
+
+
+def test_double_buffer_with_a_pool_takes_each_buffer_when_its_slot_is_first_written():
+    pool = BufferPool()
+    given = torch.empty(1024, dtype=torch.uint8)
+    pool.put(MemoryKind.HOST, given)
+    db = DoubleBuffer(1024, MemoryKind.HOST, CPU, pool=pool)
+    assert all(slot.buffer is None for slot in db.slots) and not db.allocated
+    _publish(db, 1)
+    assert db.latest().buffer.data_ptr() == given.data_ptr()
+    later = torch.empty(4096, dtype=torch.uint8)  # given back after the first slot was taken
+    pool.put(MemoryKind.HOST, later)
+    _publish(db, 2)
+    assert db.latest().buffer.data_ptr() == later.data_ptr() and db.latest().buffer.numel() == 1024
+    assert db.allocated and db.complete_steps() == [1, 2]
+    pool.put(MemoryKind.HOST, torch.empty(1024, dtype=torch.uint8))
+    _publish(db, 3)  # both slots have buffers: the pool is not drawn from again
+    assert len(pool) == 1 and db.complete_steps() == [2, 3]
+
+
+def test_giving_back_keeps_the_copy_of_the_kept_step_readable():
+    db = DoubleBuffer(1024, MemoryKind.HOST, CPU)
+    _publish(db, 4)
+    _publish(db, 5)
+    pool = BufferPool()
+    assert db.give_back(pool, keep_step=5) == 1024
+    assert db.complete_steps() == [5] and bool((db.find(5).buffer == 5).all())
+    assert db.latest() is db.find(5) and len(pool) == 1
+    assert db.give_back(pool) == 1024
+    assert db.complete_steps() == [] and db.latest() is None and len(pool) == 2
+    assert db.give_back(pool) == 0  # nothing left to give
 
 
 def test_snapshot_header_round_trips_and_rejects_garbage():

@@ -7,9 +7,12 @@ import queue
 import threading
 
 import pytest
+import torch
 
 from launcher.local import WorkerGroupConfig, run_local
-from p2p_state.replicator import Replicator
+from p2p_state.memory import BufferPool, MemoryKind
+from p2p_state.replicator import ReplicationError, Replicator
+from p2p_state.snapshot import DoubleBuffer, SnapshotHeader
 from tests.p2p_state import _workers
 
 pytestmark = pytest.mark.slow
@@ -120,3 +123,45 @@ def test_a_worker_that_does_not_stop_is_left_with_where_it_is_stuck(caplog):
     finally:
         release.set()
         rep._worker.join(5)
+
+
+def _stopped_replicator(worker: threading.Thread) -> Replicator:
+    """A replicator's bookkeeping only: own snapshots of steps 4 and 5, a replica of rank 1's."""
+    rep = Replicator.__new__(Replicator)
+    rep._lock, rep._worker, rep._failure = threading.Lock(), worker, None
+    rep.own = DoubleBuffer(1024, MemoryKind.HOST, torch.device("cpu"))
+    rep.replicas = {1: DoubleBuffer(2048, MemoryKind.HOST, torch.device("cpu"))}
+    for buf in (rep.own, rep.replicas[1]):
+        for step in (4, 5):
+            buf.publish(buf.writable(), SnapshotHeader(step, 1, "0" * 16, buf.nbytes, 0, 1))
+    return rep
+
+
+def test_an_abandoned_replicator_gives_back_all_but_the_kept_copies():
+    worker = threading.Thread(target=lambda: None)
+    worker.start()
+    worker.join()
+    rep = _stopped_replicator(worker)
+    pool = BufferPool()
+    with pytest.raises(RuntimeError, match="abandoned"):
+        rep.give_back(pool)  # still replicating: its slots are in use
+    rep._failure = ReplicationError("replication was abandoned after a fault")
+    assert rep.give_back(pool, keep_step=5) == 1024 + 2048
+    assert rep.own.complete_steps() == [5] and rep.replicas[1].complete_steps() == [5]
+    assert rep.give_back(pool) == 1024 + 2048 and len(pool) == 4
+    assert rep.own.complete_steps() == [] and rep.replicas[1].complete_steps() == []
+
+
+def test_a_replicator_whose_worker_is_left_behind_gives_nothing_back():
+    release = threading.Event()
+    worker = threading.Thread(target=lambda: release.wait(30), daemon=True)
+    worker.start()
+    try:
+        rep = _stopped_replicator(worker)
+        rep._failure = ReplicationError("replication was abandoned after a fault")
+        pool = BufferPool()
+        assert rep.give_back(pool, keep_step=5) == 0 and len(pool) == 0
+        assert rep.own.complete_steps() == [4, 5] and rep.replicas[1].complete_steps() == [4, 5]
+    finally:
+        release.set()
+        worker.join(5)
