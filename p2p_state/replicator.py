@@ -651,6 +651,9 @@ class Replicator:
             raise RuntimeError("give_back() is for an abandoned replicator")
         if self._worker.is_alive():
             return 0
+        if self._last_copy is not None:
+            # A snapshot copy on the side stream may still be writing an own slot.
+            self._last_copy.synchronize()
         with self._lock:
             buffers = [self.own, *self.replicas.values()]
             return sum(b.give_back(pool, keep_step) for b in buffers)

@@ -128,7 +128,7 @@ def test_a_worker_that_does_not_stop_is_left_with_where_it_is_stuck(caplog):
 def _stopped_replicator(worker: threading.Thread) -> Replicator:
     """A replicator's bookkeeping only: own snapshots of steps 4 and 5, a replica of rank 1's."""
     rep = Replicator.__new__(Replicator)
-    rep._lock, rep._worker, rep._failure = threading.Lock(), worker, None
+    rep._lock, rep._worker, rep._failure, rep._last_copy = threading.Lock(), worker, None, None
     rep.own = DoubleBuffer(1024, MemoryKind.HOST, torch.device("cpu"))
     rep.replicas = {1: DoubleBuffer(2048, MemoryKind.HOST, torch.device("cpu"))}
     for buf in (rep.own, rep.replicas[1]):
@@ -146,7 +146,16 @@ def test_an_abandoned_replicator_gives_back_all_but_the_kept_copies():
     with pytest.raises(RuntimeError, match="abandoned"):
         rep.give_back(pool)  # still replicating: its slots are in use
     rep._failure = ReplicationError("replication was abandoned after a fault")
+
+    class CopyOnASideStream:  # what a CUDA event of the last snapshot copy is asked
+        synchronized = False
+
+        def synchronize(self):
+            self.synchronized = True
+
+    rep._last_copy = CopyOnASideStream()
     assert rep.give_back(pool, keep_step=5) == 1024 + 2048
+    assert rep._last_copy.synchronized, "a copy still in flight must land before its slot moves"
     assert rep.own.complete_steps() == [5] and rep.replicas[1].complete_steps() == [5]
     assert rep.give_back(pool) == 1024 + 2048 and len(pool) == 4
     assert rep.own.complete_steps() == [] and rep.replicas[1].complete_steps() == []
