@@ -127,7 +127,7 @@ def _allocate_from_stand_ins(optimizer: torch.optim.Optimizer) -> bool:
 
     The stand-in is a small plain tensor of the parameter's dtype, device and number of
     dimensions, in an optimizer of the same class and group settings. Each entry of its state
-    must be either shaped like it (allocated as ``zeros_like(param)``, a DTensor for a DTensor
+    must be either shaped like it (allocated like ``zeros_like(param)``, a DTensor for a DTensor
     parameter, as the optimizer itself would) or a 0-dim tensor or a number (copied). Costs a
     few allocations, where a real step on a sharded model costs a full optimizer pass.
     """
@@ -158,10 +158,29 @@ def _allocate_from_stand_ins(optimizer: torch.optim.Optimizer) -> bool:
     with torch.no_grad():
         for p, recipe in plan:
             optimizer.state[p] = {
-                k: torch.zeros_like(p) if v is _LIKE_PARAM else _copy_scalar(v)
+                k: _zeros_like(p) if v is _LIKE_PARAM else _copy_scalar(v)
                 for k, v in recipe.items()
             }
     return True
+
+
+def _zeros_like(p: torch.Tensor) -> torch.Tensor:
+    """``torch.zeros_like(p)``; for a DTensor, its local zeros wrapped with ``p``'s layout.
+
+    The same DTensor ``zeros_like`` would make, without dispatching it: in a process that has
+    not run ops on this mesh yet (a spare) DTensor would first decide each shape's sharding,
+    ~10 ms apiece.
+    """
+    if not isinstance(p, DTensor):
+        return torch.zeros_like(p)
+    return DTensor.from_local(
+        torch.zeros_like(_local(p)),
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=p.shape,
+        stride=p.stride(),
+    )
 
 
 _LIKE_PARAM = object()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from tests.jobs import WORKER, Job
 
@@ -26,3 +27,18 @@ def start_job(tmp_path):
     yield start
     for job in jobs:
         job.kill_everything()
+
+
+@pytest.fixture
+def leave_no_group():
+    """For tests that make this process a rank of a fake world (torch's ``fake`` backend)."""
+    yield
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from recovery import comms
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Later tests in this process must not meet the fake worlds' meshes in DTensor's caches.
+    _clear_sharding_prop_cache()
+    comms._cached_places.clear()

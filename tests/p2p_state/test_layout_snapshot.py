@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # registers the ``fake`` backend
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import p2p_state.state as state_mod
 from bench.models import PRESETS, build_model, synthetic_batch
@@ -20,6 +25,7 @@ from p2p_state.layout import (
 from p2p_state.memory import BufferPool, MemoryKind, allocate, checksum
 from p2p_state.snapshot import DoubleBuffer, SnapshotHeader
 from p2p_state.state import TrainingState, _dry_step, ensure_optimizer_state
+from recovery.comms import _init_default
 
 
 def _trained(optimizer_cls, steps=2, **opt_kwargs):
@@ -160,6 +166,30 @@ def test_optimizer_state_is_created_as_a_real_step_creates_it(make, steps, monke
     assert all(p.grad is None for p in model.parameters())
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
     assert len(dry_steps) == steps, "only state not shaped like the parameters needs a step"
+
+
+def _sharded_on_a_fake_rank(rank: int, world_size: int):
+    _init_default(dist.HashStore(), "fake", rank, world_size, timedelta(seconds=30))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.Linear(13, 6))
+    fully_shard(model)  # 13 rows over 4 ranks: 4/4/4/1
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _dtensor_layout(t):
+    local = t.to_local()
+    return (t.device_mesh, t.placements, t.shape, t.stride(), local.shape, local.stride(), t.dtype)
+
+
+def test_sharded_optimizer_state_is_allocated_as_the_optimizer_would(leave_no_group):
+    model, opt = _sharded_on_a_fake_rank(3, 4)
+    ensure_optimizer_state(opt)
+    ref_model, ref_opt = _sharded_on_a_fake_rank(3, 4)
+    _dry_step(ref_opt, list(ref_model.parameters()))
+    for p, ref_p in zip(model.parameters(), ref_model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, theirs = opt.state[p][key], ref_opt.state[ref_p][key]
+            assert isinstance(mine, DTensor) and _dtensor_layout(mine) == _dtensor_layout(theirs)
+            assert not mine.to_local().any()
 
 
 def test_layout_is_aligned_and_round_trips():

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # registers the ``fake`` backend
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from p2p_state.state import TrainingState
-from recovery import comms
 from recovery.comms import _init_default
 
 ROWS = 13  # 4 ranks shard 13 rows as 4/4/4/1: every rank has a different offset
@@ -31,16 +28,6 @@ def _build_layout(rank: int, world_size: int) -> list[tuple[str, int]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainingState(model, optimizer, keep_optimizer_state=True)
     return [(e.name, e.dim0_offset) for e in state.layout.entries if e.name.endswith("0.weight")]
-
-
-@pytest.fixture
-def leave_no_group():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Later tests in this process must not meet the fake worlds' meshes in DTensor's caches.
-    _clear_sharding_prop_cache()
-    comms._cached_places.clear()
 
 
 def test_a_renumbered_rank_gets_its_new_rank_s_offsets(leave_no_group):
