@@ -377,8 +377,7 @@ class ProtectedJob:
             progress_hook=self._on_chunk,
             group=self._replication_group(),
             placement=self._placement(info),
-            prefault=not recovering,
-            recycle=self._pool if recovering else None,
+            recycle=self._pool if recovering else None,  # else prefaulted, at the job's start
         )
         self.replicator = rep
         self._stores.insert(0, rep)
