@@ -13,6 +13,13 @@ on a 2-core machine. Measured, per size, in one run:
 - ``generation_ms``: from that decision until every rank acknowledged the new generation;
 - ``hang_detect_s``: a rank stops heartbeating; from its last heartbeat to the decision, next to
   the configured timeout.
+
+Like real ranks, the emulated ones report the training advancing: after each generation they
+join, each reports one more replicated step (with its next heartbeat, so the reports do not
+compete with the acknowledgements being measured), and the bench waits for the coordinator to
+commit it before the next trial. Without that, the coordinator would rightly take the trials for
+recoveries that never get the training past a step, and stop the job after ``--max-restarts``
+of them.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             "next": time.monotonic() + phase * interval,
             "silent": False,
             "last": 0.0,
+            "report": None,
         }
         body = {"role": role, "node": node, "pid": os.getpid()}
         if rank is not None:
@@ -153,12 +161,22 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                             protocol.ACK, {"generation": msg.body["generation"]}, msg.generation
                         )
                     )
+                    if msg.body.get("directive") == "train":
+                        # The step a real rank replicates first after joining: the one after
+                        # the generation's committed step.
+                        m["report"] = {
+                            "step": int(msg.body["committed_step"]) + 1,
+                            "generation": int(msg.body["generation"]),
+                        }
                 elif msg.type == protocol.SPAWN_SPARE:
                     spares_made += 1
                     add(f"spare/{m['node']}/x{spares_made}", "spare", m["node"], None, 0)
         now = time.monotonic()
         for s, m in members.items():
             if not m["silent"] and m["next"] <= now:
+                if m["report"] is not None:
+                    s.send_multipart(m["codec"].encode(protocol.REPLICATED, m["report"]))
+                    m["report"] = None
                 s.send_multipart(m["codec"].encode(protocol.HEARTBEAT))
                 beats += 1
                 m["last"] = now
@@ -257,7 +275,16 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.02)
                 raise RuntimeError(f"no {name} {match} within {timeout:.0f}s")
 
+            def committed(step: int) -> None:
+                # The training advanced past the last recovery (see the module docstring).
+                end = time.monotonic() + 120
+                while not any(e["step"] >= step for e in events("committed")):
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"step {step} was not committed within 120s")
+                    time.sleep(0.02)
+
             wait("generation_complete", generation=1)
+            committed(0)
 
             def beats() -> int:
                 for c in conns:
@@ -283,6 +310,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 started = events("generation_started", generation=gen)[0]
                 detect.append((fault["t"] - killed_at) * 1e3)
                 generation.append((done["t"] - started["t"]) * 1e3)
+                committed(trial + 1)
             for trial in range(args.hangs):
                 node = (trial * 5 + 3) % nodes
                 rank = node * RANKS_PER_NODE + (trial + 4) % RANKS_PER_NODE
