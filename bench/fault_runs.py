@@ -46,6 +46,12 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
         help="a fault, e.g. kill:rank=3@step=20 (repeatable; see bench/faults.py)",
     )
     p.add_argument("--random", type=int, default=0, help="N random kills and hangs (chaos mode)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replication factor k of the engine's run (p2p-run --replicas; default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
     p.add_argument(
         "--checkpoint-every",
@@ -90,6 +96,14 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
             raise UsageError(f"{f}: step {f.at} is outside 1..{args.steps} (--steps)")
     if args.steps < 2 or args.nnodes < 1 or args.nproc_per_node < 1:
         raise UsageError("--steps must be >= 2, --nnodes and --nproc-per-node >= 1")
+    replicas = getattr(args, "replicas", 1)
+    if not 1 <= replicas < world:
+        raise UsageError(
+            f"--replicas {replicas}: every shard is copied to k other ranks, so k must be "
+            f"between 1 and {world - 1} for {world} ranks"
+        )
+    if args.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every}: use 0 (none) or more")
     return sorted(faults, key=lambda f: f.at)
 
 
@@ -144,11 +158,12 @@ def run_checkpointless(
         run = functools.partial(
             run_example, model=args.model, steps=args.steps, cache_dir=str(work / "cache")
         )
-    launcher = []
-    if any(f.kind == "kill-buddies" for f in faults) and args.checkpoint_every:
-        # Losing a shard with every copy of it needs the cold checkpoint.
+    launcher = ["--replicas", str(getattr(args, "replicas", 1))]
+    if args.checkpoint_every:
+        # The cold fallback for a shard lost with every copy of it: by design (kill-buddies),
+        # or by faults close together (a rank and its holders within one recovery).
         ckpt = args.checkpoint_dir or str(work / "checkpointless-ckpt")
-        launcher = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
+        launcher += ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
     spares = spares_for(faults, args.nnodes, args.nproc_per_node)
     progress.run_started("checkpointless", args.steps)
     outcome = run(
@@ -165,7 +180,9 @@ def run_checkpointless(
         "wall_s": outcome.wall_s,
         "exit_codes": outcome.codes,
         "spares": spares,
-        "faults": _relative(phases.checkpointless_faults(events), t0),
+        "replicas": getattr(args, "replicas", 1),
+        "faults": _relative(_copies_lost(phases.checkpointless_faults(events), faults), t0),
+        "not_fired": phases.not_fired([str(f) for f in faults], events),
         "timeline": phases.timeline(events, t0),
         "bitwise_equal": None,
         "differences": [],
@@ -225,6 +242,22 @@ def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) ->
     return section
 
 
+def _copies_lost(measured: list[dict[str, Any]], faults: list[Fault]) -> list[dict[str, Any]]:
+    """Mark the faults after which some shard had no copy left (the recovery did not restore
+    from peers): by design (``kill-buddies``) or by faults close enough together."""
+    kinds = {str(f): f.kind for f in faults}
+    for f in measured:
+        source = f.get("restored_from")
+        if source is None or source == "peers":
+            continue
+        f["every_copy_lost"] = (
+            "by design"
+            if kinds.get(f["spec"]) == "kill-buddies"
+            else ("a rank and its holders were lost before a new copy was made")
+        )
+    return measured
+
+
 def _progress_from(progress: Any, events: list[dict[str, Any]]) -> None:
     steps = [e["step"] for e in events if e.get("event") == "step_done"]
     recovering = any(e.get("event") == "fault_injected" for e in events[-20:])
@@ -243,10 +276,7 @@ def _last_lines(text: str, n: int = 15) -> str:
 
 def downtime(section: dict[str, Any]) -> float | None:
     """Total downtime over a mode's faults (None if a fault has no measurement)."""
-    values = [f.get("downtime_s") for f in section.get("faults", []) if not f.get("silent")]
-    if not values or any(v is None for v in values):
-        return None
-    return sum(values)
+    return phases.merged_downtime(section.get("faults", []))
 
 
 def machine_info() -> dict[str, Any]:
@@ -274,6 +304,7 @@ def job_info(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": world,
         "steps": args.steps,
         "checkpoint_every": args.checkpoint_every,
+        "replicas": getattr(args, "replicas", 1),
     }
     if getattr(args, "script", None):
         script = shlex.join([args.script, *args.script_args])
@@ -340,7 +371,15 @@ def notes(report: dict[str, Any]) -> list[str]:
     for name, section in report["modes"].items():
         if section.get("error"):
             out.append(f"The {name} run failed: {section['error'].splitlines()[-1]}")
+        for spec in section.get("not_fired", []):
+            out.append(f"{name}: {spec} never fired: the run did not test it")
         for fault in section.get("faults", []):
+            if fault.get("every_copy_lost"):
+                out.append(
+                    f"{name}: {fault['spec']} lost every copy of a shard "
+                    f"({fault['every_copy_lost']}); restored step {fault['step_restored']} "
+                    f"from {fault['restored_from']}"
+                )
             if fault.get("silent"):
                 out.append(f"{fault['spec']} corrupts silently: only the bitwise check sees it.")
             elif fault.get("error"):
@@ -356,6 +395,8 @@ def print_table(report: dict[str, Any]) -> None:
     )
     for name, section in report["modes"].items():
         label = "checkpointless" if name == "checkpointless" else "checkpoint-restart"
+        for spec in section.get("not_fired", []):
+            print(f"  {label:18s} {spec}: never fired")
         for fault in section.get("faults", []):
             if "phases" not in fault:
                 print(f"  {label:18s} {fault['spec']}: {fault.get('error') or 'silent'}")
@@ -397,5 +438,5 @@ def finish(args: argparse.Namespace, report: dict[str, Any]) -> int:
     else:
         print_table(report)
         print(f"  report: {paths[1] if len(paths) > 1 else folder}")
-    failed = any(s.get("error") for s in report["modes"].values())
+    failed = any(s.get("error") or s.get("not_fired") for s in report["modes"].values())
     return 1 if failed or report["summary"].get("bitwise_equal") is False else 0

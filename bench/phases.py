@@ -56,11 +56,40 @@ def injected_faults(events: Sequence[Event]) -> list[tuple[str, float]]:
     return sorted(first.items(), key=lambda kv: kv[1])
 
 
+def not_fired(scheduled: Sequence[str], events: Sequence[Event]) -> list[str]:
+    """The faults of the schedule (``str(Fault)``) that never fired in the run."""
+    fired = {spec for spec, _ in injected_faults(events)}
+    return [spec for spec in scheduled if spec not in fired]
+
+
+def merged_downtime(faults: Sequence[dict[str, Any]]) -> float | None:
+    """Seconds of downtime over all ``faults`` (``t_fault`` and ``downtime_s`` each), counting
+    time once where the downtimes of faults overlap (a fault during another's recovery).
+
+    Silent faults have no downtime; ``None`` if a fault has no measurement (or there is none).
+    """
+    spans = [f for f in faults if not f.get("silent")]
+    if not spans or any(f.get("downtime_s") is None for f in spans):
+        return None
+    intervals = sorted((f["t_fault"], f["t_fault"] + f["downtime_s"]) for f in spans)
+    total, start, end = 0.0, *intervals[0]
+    for a, b in intervals[1:]:
+        if a > end:
+            total += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    return total + end - start
+
+
 def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
     """Per injected fault of an engine run: its phases, downtime and steps lost.
 
     A fault's recovery is the first generation completed after it (a fault during a recovery
-    shares that recovery with the fault before it).
+    shares that recovery with the fault before it). The step a fault interrupted the training
+    at is the last one any rank completed before it left the step (reported with its
+    recovery), or rank 0's last step before the fault if that is later: ranks may finish a
+    step in the milliseconds between a fault and its detection, and that step is redone too.
     """
     steps = [(e["t"], e["step"]) for e in events if e["event"] == "step_done"]
     out = []
@@ -77,7 +106,7 @@ def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
         generation = min(e["generation"] for e in done)
         ranks = [e for e in done if e["generation"] == generation]
         critical = max(ranks, key=lambda e: e["t"])
-        reached = step_reached(steps, t_fault)
+        reached = max(step_reached(steps, t_fault), *(e.get("step_reached", -1) for e in ranks))
         restored = critical["step"]
         phases = {"detect": max(0.0, seen["t"] - t_fault)}
         rank_phases = {p: critical["phases"].get(p, 0.0) for p in RANK_PHASES}

@@ -24,7 +24,7 @@ _TITLES = {
     "compare": "Checkpointless vs checkpoint-restart: downtime",
 }
 _NO_MATPLOTLIB = "Plots skipped: matplotlib is missing; plots need `pip install -e '.[bench]'`."
-_JOB_KEYS = ("world_size", "steps", "spares", "checkpoint_every")
+_JOB_KEYS = ("world_size", "steps", "spares", "checkpoint_every", "replicas")
 _MACHINE_KEYS = ("hostname", "cpus", "platform", "python", "torch", "gpu")
 _TIMELINE_LINK = "![timeline](timeline.png)"
 _HOW_TO_READ = (
@@ -146,6 +146,10 @@ def _mode_markdown(mode: str, section: dict[str, Any]) -> list[str]:
     differences = section.get("differences") or []
     out += ["", "Differences from the fault-free reference:", ""] if differences else []
     out += [f"- {d}" for d in differences]
+    not_fired = section.get("not_fired") or []
+    if not_fired:
+        out += ["", "Faults asked for that never fired (the run did not test them):", ""]
+        out += [f"- `{spec}`" for spec in not_fired]
     faults = section.get("faults") or []
     out += [] if faults else ["", f"Faults measured: {NA}."]
     for i, fault in enumerate(faults, start=1):
@@ -165,6 +169,10 @@ def _mode_markdown(mode: str, section: dict[str, Any]) -> list[str]:
         ]
         reached = fault.get("step_reached", NA)
         rows.append(("restored step", f"{fault.get('step_restored', NA)} (reached {reached})"))
+        if "restored_from" in fault:
+            rows.append(("restored from", fault["restored_from"]))
+        if fault.get("every_copy_lost"):
+            rows.append(("every copy of a shard lost", fault["every_copy_lost"]))
         out += ["", *_table(("phase", "seconds"), rows)]
     return out
 

@@ -68,3 +68,6 @@ class RecoveryRecord:
     """Seconds per phase: interrupt, communicators, build, plan, transfer, restore, replicate."""
     bytes_received: int = 0
     started_t: float = 0.0
+    step_reached: int = -1
+    """The last step this rank had completed when the fault took it out of training (-1 for a
+    spare): the steps after the restored one up to it are done again."""

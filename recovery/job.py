@@ -426,6 +426,7 @@ class ProtectedJob:
 
     def _recover(self, cause: BaseException) -> None:
         caught_t = time.monotonic()
+        reached = self.step_done
         logger.warning("%s: fault (%s); recovering", self._session.identity, _short(cause))
         # This generation is over for this rank: break its groups so nothing here (the
         # replication worker) or at a peer stays blocked on them.
@@ -450,7 +451,12 @@ class ProtectedJob:
                 self._shutdown()
                 raise SystemExit(e.code or 1) from None
             arrived = self._session.interrupt_time() or info.arrived_t
-            rec = RecoveryRecord(info.generation, _short(cause), started_t=min(arrived, caught_t))
+            rec = RecoveryRecord(
+                info.generation,
+                _short(cause),
+                started_t=min(arrived, caught_t),
+                step_reached=reached,
+            )
             # From the coordinator's word to the training thread leaving the step; or, when a
             # collective failed first, from that failure to the coordinator's word.
             rec.phases["interrupt"] = max(0.0, caught_t - arrived)
@@ -542,6 +548,9 @@ class ProtectedJob:
                 chunk_bytes=rep_cfg.chunk_bytes,
                 timeout_s=rep_cfg.timeout_s,
                 wire_device=wire,
+                on_phase=lambda name: self._call_hooks(
+                    "recovery_phase", phase=name, generation=info.generation
+                ),
             )
             rec.phases["plan"] += outcome.plan_s
             rec.phases["transfer"] = outcome.transfer_s
@@ -578,6 +587,7 @@ class ProtectedJob:
             bytes_received=rec.bytes_received,
             cause=rec.cause,
             started_t=rec.started_t,
+            step_reached=rec.step_reached,
         )
         logger.warning(
             "rank %d: restored step %d from %s in generation %d (%s)",

@@ -139,6 +139,7 @@ def restore_from_peers(
     chunk_bytes: int,
     timeout_s: float,
     wire_device: torch.device,
+    on_phase: Callable[[str], None] | None = None,
 ) -> RestoreOutcome:
     """Rebuild every member's state from the copies the members hold; collective over ``group``.
 
@@ -157,6 +158,8 @@ def restore_from_peers(
         memory: Device for the receive buffer (where snapshots live).
         chunk_bytes, timeout_s: As for the transfers of replication.
         wire_device: Device of the small control tensors on ``group`` (CUDA for NCCL).
+        on_phase: Called with ``"transfer"`` and ``"restore"`` as each of these phases begins
+            (the job's ``recovery_phase`` hook: faults are injected there).
 
     Raises:
         NoSurvivingCopy: no step has a copy of every shard (same answer on every member).
@@ -212,6 +215,8 @@ def restore_from_peers(
         for r, (world, owner, step) in failed:
             held[r] = {c for c in held[r] if c[:3] != (world, owner, step)}
     t1 = time.perf_counter()
+    if on_phase is not None:
+        on_phase("transfer")
 
     whole_own = [
         t
@@ -238,6 +243,8 @@ def restore_from_peers(
         timeout_s=timeout_s,
     )
     t2 = time.perf_counter()
+    if on_phase is not None:
+        on_phase("restore")
     step, extras = state.restore(target)
     assert step == source.step, (step, source.step)
     return RestoreOutcome(
@@ -275,16 +282,26 @@ def find_copy(stores: Sequence[Replicator], world: int, owner: int, step: int) -
 
 
 def describe_gap(held: Sequence[set[tuple[int, int, int, bool]]]) -> str:
-    """Which shards have no surviving copy, for the error message."""
+    """Which shards have no surviving copy, for the error message.
+
+    A shard lost for good is one with no copy at any step of the newest world; the others may
+    only lack a copy of the newest step (a round in flight when the fault hit), which is not a
+    loss and is not named as one.
+    """
     worlds = sorted({c[0] for h in held for c in h})
     if not worlds:
         return "no member holds any copy of the training state"
     world = worlds[-1]
-    steps = sorted({c[2] for h in held for c in h if c[0] == world})
-    step = steps[-1]
-    have = {c[1] for h in held for c in h if c[:1] == (world,) and c[2] == step}
-    missing = sorted(set(range(world)) - have)
-    return (
-        f"no step has a copy of every shard: at step {step} of the {world}-rank world the shards "
-        f"of ranks {missing} were lost together with every replica of them"
-    )
+    copies = {c[1:3] for h in held for c in h if c[0] == world}
+    steps = sorted({step for _, step in copies})
+    missing = {s: sorted(set(range(world)) - {o for o, t in copies if t == s}) for s in steps}
+    lost = sorted(set.intersection(*(set(m) for m in missing.values())))
+    empty = [r for r, h in enumerate(held) if not h]
+    came = f" (members {empty} hold no copy: they replaced lost ranks)" if empty else ""
+    if lost:
+        return (
+            f"no step has a copy of every shard: the shards of ranks {lost} of the "
+            f"{world}-rank world were lost together with every replica of them{came}"
+        )
+    gaps = "; ".join(f"step {s} lacks ranks {m}" for s, m in missing.items())
+    return f"no step has a copy of every shard of the {world}-rank world: {gaps}{came}"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.phases import checkpointless_faults, restart_faults, step_reached, timeline
+from bench.phases import (
+    checkpointless_faults,
+    merged_downtime,
+    not_fired,
+    restart_faults,
+    step_reached,
+    timeline,
+)
 
 
 def _ev(t, event, **fields):
@@ -108,3 +115,51 @@ def test_step_reached_and_timeline():
     assert step_reached(steps, 2.5) == 2 and step_reached(steps, 0.5) == 0
     events = [_ev(t, "step_done", step=s) for t, s in steps]
     assert timeline(events, 1.0) == [(0.0, 1), (1.0, 2), (2.0, 3)]
+
+
+def test_a_step_finished_by_other_ranks_after_the_fault_counts_as_lost():
+    # Rank 0 finished step 5 before the fault; rank 2 finished step 6 a few ms after it, before
+    # the fault was detected: restored at 5, step 6 is done again.
+    events = engine_log(restored=5)
+    for e in events:
+        if e["event"] == "recovery_done":
+            e["step_reached"] = 6 if e["rank"] == 2 else 5
+    (f,) = checkpointless_faults(events)
+    assert f["step_reached"] == 6 and f["steps_lost"] == 1
+    # Training is back only once step 6 is done again.
+    assert f["phases"]["recompute"] == pytest.approx(16.0 + 6 - 5 - 15.5)
+    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
+    # Without the ranks' reports, only rank 0's view is left (the count the check can miss).
+    for e in events:
+        e.pop("step_reached", None)
+    (g,) = checkpointless_faults(events)
+    assert g["steps_lost"] == 0
+
+
+def test_overlapping_downtimes_are_counted_once():
+    faults = [
+        {"spec": "a", "t_fault": 1.0, "downtime_s": 0.4},
+        {"spec": "b", "t_fault": 1.1, "downtime_s": 0.34},  # during a's recovery
+        {"spec": "c", "t_fault": 3.0, "downtime_s": 0.5},
+        {"spec": "d", "t_fault": 3.1, "downtime_s": 0.1},  # inside c's
+        {"spec": "e", "t_fault": 2.0, "silent": True},
+    ]
+    assert merged_downtime(faults) == pytest.approx(0.44 + 0.5)
+    assert merged_downtime(faults[2:3]) == pytest.approx(0.5)
+    assert merged_downtime([*faults, {"spec": "f", "t_fault": 9.0}]) is None
+    assert merged_downtime([]) is None
+
+
+def test_faults_that_never_fired_are_named():
+    events = [
+        _ev(1.0, "fault_injected", fault="kill:rank=1@step=3:phase=forward"),
+        _ev(1.0, "fault_injected", fault="kill-buddies:rank=1@step=5:phase=forward"),
+        _ev(1.0, "fault_injected", fault="kill-buddies:rank=1@step=5:phase=forward"),
+    ]
+    scheduled = [
+        "kill:rank=1@step=3:phase=forward",
+        "kill-buddies:rank=1@step=5:phase=forward",
+        "during-recovery:rank=2@recovery=1:phase=transfer",
+    ]
+    assert not_fired(scheduled, events) == ["during-recovery:rank=2@recovery=1:phase=transfer"]
+    assert not_fired(scheduled[:2], events) == []

@@ -260,3 +260,27 @@ def test_progress_survives_a_broken_display(caplog):
         live.run_finished("checkpointless run: exit codes [0, 0]")
     assert sys.stdout is stdout
     assert "progress display failed" in caplog.text
+
+
+def test_markdown_names_faults_that_never_fired_and_lost_copies(report):
+    section = report["modes"]["checkpointless"]
+    section["not_fired"] = ["during-recovery:rank=2@recovery=1:phase=transfer"]
+    section["faults"][1].update(restored_from="checkpoint", every_copy_lost="by design")
+    text = render_markdown(report)
+    assert "never fired" in text and "`during-recovery:rank=2@recovery=1:phase=transfer`" in text
+    assert "| restored from | checkpoint |" in text
+    assert "| every copy of a shard lost | by design |" in text
+    del section["not_fired"]
+    assert "never fired" not in render_markdown(report)
+
+
+def test_a_fault_that_never_fired_fails_the_bench(report, tmp_path, capsys):
+    import argparse
+
+    from bench.fault_runs import finish
+
+    args = argparse.Namespace(out_dir=str(tmp_path / "r"), json=True)
+    assert finish(args, copy.deepcopy(report)) == 0
+    report["modes"]["checkpointless"]["not_fired"] = ["kill:rank=1@step=3:phase=forward"]
+    assert finish(args, report) == 1
+    capsys.readouterr()

@@ -156,3 +156,26 @@ def test_different_models_are_refused():
     b = fsdp_layouts([("param/a", torch.float32, (8, 3), True)], 2)
     with pytest.raises(ValueError, match="different models"):
         plan_restore(a, b, {0: [0], 1: [1]}, [0, 1], step=1)
+
+
+def test_the_no_copy_message_names_only_shards_lost_with_every_replica():
+    from recovery.restore import describe_gap
+
+    # 4 ranks, k=1, holders r -> r+1: ranks 1 and 2 died (their places hold nothing now).
+    # Step 4 was complete; step 5 was in flight, so only rank 0's own copy of it exists.
+    held = [
+        {(4, 0, 4, True), (4, 3, 4, False), (4, 0, 5, True)},
+        set(),
+        set(),
+        {(4, 3, 4, True), (4, 2, 4, False)},
+    ]
+    message = describe_gap(held)
+    assert "shards of ranks [1] of the 4-rank world were lost" in message
+    assert "members [1, 2] hold no copy" in message
+    assert "[1, 2, 3]" not in message
+    # No shard gone at every step: the gap of each step is named instead.
+    split = [{(4, 0, 3, True), (4, 0, 4, True)}, {(4, 1, 3, True)}, {(4, 2, 4, True)}, set()]
+    split[3] = {(4, 3, 3, True), (4, 3, 4, True)}
+    message = describe_gap(split)
+    assert "step 3 lacks ranks [2]; step 4 lacks ranks [1]" in message
+    assert "lost together" not in message and "hold no copy" not in message
