@@ -278,3 +278,69 @@ def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
     assert main(["inject", "--fault", "kill:rank=1@step=3", *argv]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_recover_fires_a_fault_in_the_transfer_phase_of_the_recovery(capsys, tmp_path):
+    # The peer-restore path must call the hook of its transfer phase: a fault asked for there
+    # fires (a second recovery follows) and the result is still bitwise. With k=2 a copy of
+    # every shard outlives both faults.
+    summary = _run(
+        capsys,
+        "recover",
+        *FAST,
+        "--replicas",
+        "2",
+        "--steps",
+        "5",
+        "--fault",
+        "kill:rank=1@step=3",
+        "--fault",
+        "during-recovery:rank=2@recovery=1:phase=transfer",
+        "--out-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+    assert summary["bitwise_equal"] is True
+    section = _report(tmp_path / "report")["modes"]["checkpointless"]
+    assert section["not_fired"] == []
+    assert [f["spec"].split(":")[0] for f in section["faults"]] == ["kill", "during-recovery"]
+
+
+def test_baseline_bench(capsys, tmp_path):
+    summary = _run(
+        capsys,
+        "baseline",
+        "--model",
+        "tiny",
+        "--steps",
+        "4",
+        "--fault",
+        "kill:rank=1@step=3",
+        "--checkpoint-every",
+        "2",
+        "--out-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+    assert summary["steps_lost"] == [0] and summary["downtime_restart_s"] > 0
+
+
+def test_resize_bench(capsys, tmp_path):
+    r = _run(
+        capsys,
+        "resize",
+        "--model",
+        "tiny",
+        "--steps",
+        "8",
+        "--dcp-steps",
+        "2",
+        "--work-dir",
+        str(tmp_path),
+        "--json",
+    )
+    assert r["in_place"]["bitwise_equal"] is True
