@@ -304,10 +304,24 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 rank = node * RANKS_PER_NODE + trial % RANKS_PER_NODE
                 conns[node % args.workers].send(("exit", f"rank/{rank}", f"agent/{node}"))
                 killed_at = conns[node % args.workers].recv()
-                gen += 1
+                fault = wait("fault", identity=f"rank/{rank}")
+                # The generation that replaces it (a member of the emulation missing its
+                # heartbeats on a loaded machine would start one of its own: counted below).
+                end = time.monotonic() + 120
+                while True:
+                    after = [
+                        e
+                        for e in events("generation_started")
+                        if e["generation"] > gen and e["t"] >= fault["t"]
+                    ]
+                    if after:
+                        break
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"no generation after the fault of rank {rank}")
+                    time.sleep(0.02)
+                started = after[0]
+                gen = started["generation"]
                 done = wait("generation_complete", generation=gen)
-                fault = events("fault", identity=f"rank/{rank}")[0]
-                started = events("generation_started", generation=gen)[0]
                 detect.append((fault["t"] - killed_at) * 1e3)
                 generation.append((done["t"] - started["t"]) * 1e3)
                 committed(trial + 1)
@@ -331,6 +345,9 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 "hang_detect_s_max": max(hang) if hang else float("nan"),
                 "heartbeat_timeout_s": args.heartbeat_timeout,
                 "exit_trials": len(detect),
+                # Faults of members the bench did not stop (should be 0; else the machine was
+                # too loaded for the emulation to keep its heartbeats).
+                "unexpected_faults": len(events("fault")) - args.exits - len(hang),
             }
         finally:
             for c in conns:
