@@ -247,6 +247,9 @@ class Replicator:
         if self._stream is not None and state.optimizer is not None:
             # The next optimizer step must not overwrite parameters the side stream still copies.
             self._fence_handle = state.optimizer.register_step_pre_hook(self._fence)
+        self._left_behind = False
+        """The worker outlived a stop's deadline once (blocked where the abort did not reach);
+        later stops do not wait for it again."""
         self._worker = threading.Thread(
             target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
         )
@@ -662,10 +665,15 @@ class Replicator:
         if self._fence_handle is not None:
             self._fence_handle.remove()
             self._fence_handle = None
+        if self._worker.is_alive() and self._left_behind:
+            # Waited for once already: an old generation's store is abandoned again at every
+            # later fault, and waiting each time would add the whole deadline to each recovery.
+            return False
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join(timeout=timeout_s)
             if self._worker.is_alive():
+                self._left_behind = True
                 frame = sys._current_frames().get(self._worker.ident)
                 where = "".join(traceback.format_stack(frame, limit=4)) if frame else "?\n"
                 logger.error(
