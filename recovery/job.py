@@ -68,9 +68,12 @@ logger = logging.getLogger(__name__)
 
 #: After a fault, how long a rank waits for its replication worker to leave the aborted round
 #: before it goes on without it (the worker only ever writes slots that are not published).
-#: Well inside the next generation's join deadline (half of --ack-timeout): a worker that does
-#: not notice the abort must not make this rank miss the generation that would replace it.
-_ABANDON_WAIT_S = 1.0
+#: A worker whose transfers gloo fails on the abort leaves within milliseconds; one blocked on
+#: a receive whose payload was partly read when its pair failed never does before its deadline
+#: (gloo signals the failure to pending and posted operations, not to the one being read), so
+#: waiting longer only adds to the recovery. Its pair is closed by then, so nothing writes into
+#: its buffers any more; they are recycled if it has left by the time the new replicator is made.
+_ABANDON_WAIT_S = 0.05
 
 #: Messages of gloo and NCCL errors that mean a peer or a link failed, not a bug in the step.
 _COMM_FAILURES = (
