@@ -677,10 +677,10 @@ class Replicator:
                 frame = sys._current_frames().get(self._worker.ident)
                 where = "".join(traceback.format_stack(frame, limit=4)) if frame else "?\n"
                 logger.error(
-                    "rank %d: replication worker still busy after %.1fs; leaving it (daemon). "
+                    "rank %d: replication worker still busy after %.0f ms; leaving it (daemon). "
                     "It is at:\n%s",
                     self.rank,
-                    timeout_s,
+                    timeout_s * 1e3,
                     where.rstrip(),
                 )
                 return False
