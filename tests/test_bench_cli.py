@@ -327,20 +327,3 @@ def test_baseline_bench(capsys, tmp_path):
         "--json",
     )
     assert summary["steps_lost"] == [0] and summary["downtime_restart_s"] > 0
-
-
-def test_resize_bench(capsys, tmp_path):
-    r = _run(
-        capsys,
-        "resize",
-        "--model",
-        "tiny",
-        "--steps",
-        "8",
-        "--dcp-steps",
-        "2",
-        "--work-dir",
-        str(tmp_path),
-        "--json",
-    )
-    assert r["in_place"]["bitwise_equal"] is True
