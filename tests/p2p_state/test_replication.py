@@ -113,12 +113,13 @@ def test_a_worker_that_does_not_stop_is_left_with_where_it_is_stuck(caplog):
 
     rep = Replicator.__new__(Replicator)  # only the worker's bookkeeping is exercised
     rep.rank, rep._fence_handle, rep._queue = 3, None, queue.Queue()
+    rep._left_behind = False
     rep._worker = threading.Thread(target=stuck_in_a_collective, daemon=True)
     rep._worker.start()
     try:
         with caplog.at_level(logging.ERROR, logger="p2p_state.replicator"):
             assert rep._stop_worker(0.2) is False
-        assert "rank 3: replication worker still busy after 0.2s" in caplog.text
+        assert "rank 3: replication worker still busy after 200 ms" in caplog.text
         assert "in stuck_in_a_collective" in caplog.text and "release.wait(30)" in caplog.text
     finally:
         release.set()
