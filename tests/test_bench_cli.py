@@ -270,6 +270,8 @@ def test_spares_cover_every_lost_rank_on_nodes_that_survive(specs, expected):
     [
         (["--script", "no/such/train.py"], "--script no/such/train.py: no such file"),
         (["--", "--lr", "1"], "unexpected arguments --lr 1: only a --script takes them"),
+        (["--replicas", "4"], "--replicas 4: every shard is copied to k other ranks"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every -1: use 0 (none) or more"),
     ],
 )
 def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
