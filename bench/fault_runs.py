@@ -107,7 +107,9 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
     return sorted(faults, key=lambda f: f.at)
 
 
-def spares_for(faults: list[Fault], nnodes: int, nproc_per_node: int) -> list[int]:
+def spares_for(
+    faults: list[Fault], nnodes: int, nproc_per_node: int, replicas: int = 1
+) -> list[int]:
     """Hot spares per node: enough for every rank the schedule kills, spread over the nodes no
     fault takes down (a node's spares die with it; the pool also refills itself after each
     assignment)."""
@@ -118,7 +120,7 @@ def spares_for(faults: list[Fault], nnodes: int, nproc_per_node: int) -> list[in
         if f.kind == "kill-node":
             lost += nproc_per_node
         elif f.kind == "kill-buddies":
-            lost += 2
+            lost += 1 + replicas  # the rank and its k holders
         else:
             lost += 1
     down = killed_nodes(faults)
@@ -164,7 +166,7 @@ def run_checkpointless(
         # or by faults close together (a rank and its holders within one recovery).
         ckpt = args.checkpoint_dir or str(work / "checkpointless-ckpt")
         launcher += ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
-    spares = spares_for(faults, args.nnodes, args.nproc_per_node)
+    spares = spares_for(faults, args.nnodes, args.nproc_per_node, getattr(args, "replicas", 1))
     progress.run_started("checkpointless", args.steps)
     outcome = run(
         work / "checkpointless",
@@ -250,10 +252,9 @@ def _copies_lost(measured: list[dict[str, Any]], faults: list[Fault]) -> list[di
         source = f.get("restored_from")
         if source is None or source == "peers":
             continue
+        by_design = kinds.get(f["spec"]) == "kill-buddies"
         f["every_copy_lost"] = (
-            "by design"
-            if kinds.get(f["spec"]) == "kill-buddies"
-            else ("a rank and its holders were lost before a new copy was made")
+            "by design" if by_design else "a rank and its holders were lost before a new copy"
         )
     return measured
 

@@ -305,3 +305,12 @@ def test_faults_whose_recovery_had_no_copy_left_are_marked():
     assert "every_copy_lost" not in marked[0] and "every_copy_lost" not in marked[3]
     assert marked[1]["every_copy_lost"] == "by design"
     assert "holders were lost" in marked[2]["every_copy_lost"]
+
+
+def test_spares_cover_a_rank_and_all_its_k_holders():
+    from bench.fault_runs import spares_for
+    from bench.faults import parse_fault
+
+    buddies = [parse_fault("kill-buddies:rank=1@step=3")]
+    assert spares_for(buddies, 2, 2) == [1, 1]
+    assert spares_for(buddies, 2, 2, replicas=2) == [2, 1]
