@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 RANK_PHASES = ("communicators", "plan", "build", "transfer", "restore", "data", "replicate")
+#: What a rank records before its recovery proper; the bench cuts that span on its own clock.
+_NOT_RANK_PHASES = ("interrupt", "wait")
 
 Event = dict[str, Any]
 
@@ -109,7 +111,10 @@ def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
         reached = max(step_reached(steps, t_fault), *(e.get("step_reached", -1) for e in ranks))
         restored = critical["step"]
         phases = {"detect": max(0.0, seen["t"] - t_fault)}
-        rank_phases = {p: critical["phases"].get(p, 0.0) for p in RANK_PHASES}
+        # Phases a rank reports beyond the known ones are its own time too, in the order it
+        # reports them after those; left out, they would be counted as `interrupt`.
+        extra = [p for p in critical["phases"] if p not in (*RANK_PHASES, *_NOT_RANK_PHASES)]
+        rank_phases = {p: critical["phases"].get(p, 0.0) for p in (*RANK_PHASES, *extra)}
         span = critical["t"] - seen["t"]
         phases["interrupt"] = max(0.0, span - sum(rank_phases.values()))
         scale = 1.0 if span >= sum(rank_phases.values()) else span / sum(rank_phases.values())

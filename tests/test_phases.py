@@ -163,3 +163,20 @@ def test_faults_that_never_fired_are_named():
     ]
     assert not_fired(scheduled, events) == ["during-recovery:rank=2@recovery=1:phase=transfer"]
     assert not_fired(scheduled[:2], events) == []
+
+
+def test_a_phase_a_rank_reports_beyond_the_known_ones_is_not_counted_as_interrupt():
+    def log(extra: dict) -> list:
+        events = engine_log(restored=5)
+        for e in events:
+            if e["event"] == "recovery_done":
+                e["phases"] = {**e["phases"], **extra}
+                e["t"] += 0.4  # room for an interrupt before the rank's phases
+        return events
+
+    (f,) = checkpointless_faults(log({"checkpoint": 0.1}))
+    (g,) = checkpointless_faults(log({}))
+    assert f["phases"]["checkpoint"] == pytest.approx(0.1)
+    assert list(f["phases"])[-1] == "checkpoint" and "checkpoint" not in g["phases"]
+    assert f["phases"]["interrupt"] == pytest.approx(g["phases"]["interrupt"] - 0.1)
+    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
