@@ -138,6 +138,34 @@ class ColdCheckpointer:
             sd[f"rank_state/{r}"] = _pack_small(data)
         return sd
 
+    def catch_up(self, step: int, extras: Any = None) -> bool:
+        """After a recovery restored ``step``: save it now if the checkpoint last due is missing.
+
+        A save in progress when a fault hits never completes (its collectives ran on the
+        aborted groups, and a lost rank's part of it died with the rank), so with faults more
+        frequent than a save takes, no periodic checkpoint would ever complete. The restored
+        state stands in for the lost one: it is written now, by the new generation. When no
+        complete checkpoint exists at all the save is synchronous, so the cold fallback exists
+        before training goes on; otherwise it runs in the background like every other.
+        Complete checkpoints are never deleted, so the previous one stays the fallback until
+        this one is complete. Collective (every member decides alike from the same listing).
+
+        Returns:
+            Whether a save was started.
+        """
+        due = step - step % self.config.every_steps
+        complete = complete_steps(self.config.root)
+        if due <= 0 or (complete and complete[-1] >= due):
+            return False
+        logger.info(
+            "the checkpoint due at step %d is missing (complete: %s); writing step %d now",
+            due,
+            complete or "none",
+            step,
+        )
+        self.save(step, extras, blocking=not complete)
+        return True
+
     def maybe_save(self, step: int, extras: Any = None) -> bool:
         """Save if ``step`` is a multiple of ``every_steps``; returns whether it did."""
         if step % self.config.every_steps:
@@ -152,6 +180,7 @@ class ColdCheckpointer:
         *,
         rank_states: dict[int, bytes] | None = None,
         world_size: int | None = None,
+        blocking: bool = False,
     ) -> None:
         """Checkpoint the current state as ``step`` (collective).
 
@@ -162,10 +191,11 @@ class ColdCheckpointer:
                 they belong to, when this rank writes others' too (a smaller world saving
                 the state of a larger one); default: its own.
             world_size: The world the per-rank documents belong to (default: this group's).
+            blocking: Write before returning even when ``async_save`` is set.
         """
         self.wait()
         sd = self._state_dict(step, extras, rank_states, world_size)
-        if self.config.async_save:
+        if self.config.async_save and not blocking:
             result = dcp.async_save(sd, checkpoint_id=self._path(step), process_group=self.group)
             self._pending = getattr(result, "upload_completion", result)
             self._pending_step = step

@@ -576,6 +576,11 @@ class ProtectedJob:
             self._checkpoint_and_stop(info, step)
         with self._phase(rec, "replicate"):
             self._start_replication(step, extras, recovering=True)
+        if self.checkpointer is not None:
+            # The fault cut short any checkpoint in progress: the cold fallback must not
+            # fall behind for good when faults come faster than a save takes.
+            with self._phase(rec, "checkpoint"):
+                self.checkpointer.catch_up(step, extras)
         rec.source, rec.step = mode, step
         self.recoveries.append(rec)
         self._first_step_pending = rec
