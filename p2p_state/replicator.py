@@ -247,6 +247,13 @@ class Replicator:
         if self._stream is not None and state.optimizer is not None:
             # The next optimizer step must not overwrite parameters the side stream still copies.
             self._fence_handle = state.optimizer.register_step_pre_hook(self._fence)
+        self._forward_fence_handle = None
+        if self._stream is not None:
+            # Nor the next forward overwrite buffers it mutates (BatchNorm statistics, FP8
+            # amax/scale), which are snapshotted too: its kernels wait for the copy as well.
+            self._forward_fence_handle = state.model.register_forward_pre_hook(
+                self._fence, prepend=True
+            )
         self._worker = threading.Thread(
             target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
         )
@@ -662,6 +669,9 @@ class Replicator:
         if self._fence_handle is not None:
             self._fence_handle.remove()
             self._fence_handle = None
+        if self._forward_fence_handle is not None:
+            self._forward_fence_handle.remove()
+            self._forward_fence_handle = None
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join(timeout=timeout_s)
