@@ -345,9 +345,28 @@ def _init_default(
         from torch.distributed import distributed_c10d
 
         distributed_c10d._world.group_count = 0
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=_eager_device(backend),
+    )
     _forget_stale_shardings(world_size, rank)
     return dist.group.WORLD
+
+
+def _eager_device(backend: str) -> torch.device | None:
+    """The GPU to bind an NCCL default group to, or ``None`` without NCCL.
+
+    Bound to a device, the default group creates its NCCL communicator at once (inside the
+    ``communicators`` phase, not in the first collective of the redone step), and every group
+    made from it afterwards is split from it (``ncclCommSplit``) instead of initialised anew.
+    """
+    if "nccl" not in backend or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 #: This process's rank in each world size that DTensor's caches may hold results for.

@@ -183,3 +183,25 @@ def test_the_frames_check_can_fail(strip: bool, monkeypatch) -> None:
     monkeypatch.setattr(job_mod, "_without_frames", lambda e: e)
     with pytest.raises(AssertionError, match="still alive"):
         test_a_failed_step_s_frames_are_released_before_recovery()
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "expected"),
+    [
+        ("cpu:gloo,cuda:nccl", True, "cuda:1"),
+        ("nccl", True, "cuda:1"),
+        ("gloo", True, None),
+        ("cpu:gloo,cuda:nccl", False, None),
+    ],
+)
+def test_an_nccl_default_group_is_bound_to_its_gpu(monkeypatch, backend, cuda, expected) -> None:
+    # Bound, it initialises NCCL eagerly and later groups are split from it.
+    seen: dict = {}
+    monkeypatch.setattr(comms_mod.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(comms_mod.torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(comms_mod.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(comms_mod.dist, "init_process_group", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(comms_mod, "_forget_stale_shardings", lambda *a: None)
+    comms_mod._init_default(dist.HashStore(), backend, 0, 1, comms_mod.timedelta(seconds=5))
+    device = seen["device_id"]
+    assert (str(device) if device is not None else None) == expected
