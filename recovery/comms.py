@@ -130,6 +130,16 @@ class CommsSpec:
     dead generation gets out in time to join the next one."""
     ignore_peers: tuple[tuple[str, int], ...] = ()
     """Peer addresses never treated as a group's socket (the coordinator's control socket)."""
+    side_group_max_ctas: int = 8
+    """CTA limit (``NCCLConfig.max_ctas``) of every NCCL group made after the default one (the
+    replication group): its sends run while FSDP's kernels do, and with no limit they would
+    take SMs from compute. A starting value, not yet measured on GPUs."""
+
+    def __post_init__(self) -> None:
+        if self.side_group_max_ctas < 1:
+            raise ValueError(
+                f"CommsSpec.side_group_max_ctas={self.side_group_max_ctas}; use at least 1"
+            )
 
 
 @dataclass
@@ -187,7 +197,10 @@ class Comms:
         pg = self.groups.get(name)
         if pg is None:
             join = timedelta(seconds=self.spec.join_timeout_s)
-            pg = self._track(lambda: dist.new_group(backend=backend, timeout=join))
+            options = _side_group_options(backend, self.spec.side_group_max_ctas)
+            pg = self._track(
+                lambda: dist.new_group(backend=backend, timeout=join, pg_options=options)
+            )
             pg.set_timeout(timedelta(seconds=self.spec.timeout_s))
             self.groups[name] = pg
         return pg
@@ -275,6 +288,15 @@ def abort_together(groups: list[Any], nccl: Any, generation: int) -> None:
                 logger.warning("aborting a NCCL group of generation %d: %s", generation, e)
     finally:
         nccl._group_end()
+
+
+def _side_group_options(backend: str, max_ctas: int) -> Any:
+    """NCCL options of a group made after the default one (``None`` for other backends)."""
+    if backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = max_ctas
+    return options
 
 
 def _set_nccl_environment() -> None:

@@ -205,3 +205,28 @@ def test_an_nccl_default_group_is_bound_to_its_gpu(monkeypatch, backend, cuda, e
     comms_mod._init_default(dist.HashStore(), backend, 0, 1, comms_mod.timedelta(seconds=5))
     device = seen["device_id"]
     assert (str(device) if device is not None else None) == expected
+
+
+def test_an_nccl_side_group_gets_a_cta_limit(monkeypatch) -> None:
+    class Options:  # stand-in for ProcessGroupNCCL.Options (CPU builds have no NCCL)
+        def __init__(self) -> None:
+            self.config = types.SimpleNamespace(max_ctas=0)
+
+    monkeypatch.setattr(
+        comms_mod.dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=Options), raising=False
+    )
+    given: list = []
+
+    def new_group(**kwargs):
+        given.append(kwargs["pg_options"])
+        return types.SimpleNamespace(set_timeout=lambda t: None)
+
+    monkeypatch.setattr(comms_mod.dist, "new_group", new_group)
+    comms = Comms(_spec())
+    comms.group("replication", "nccl")
+    comms.group("checkpoint", "gloo")
+    assert given[0].config.max_ctas == 8 and given[1] is None
+    with pytest.raises(ValueError, match="side_group_max_ctas=0"):
+        CommsSpec(
+            **{**{f: getattr(_spec(), f) for f in CommsSpec.__slots__}, "side_group_max_ctas": 0}
+        )
