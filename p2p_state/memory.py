@@ -143,10 +143,35 @@ def check_fits(
     """
     for kind, nbytes in needed.items():
         free = available_bytes(kind, device)
+        step_note = ""
+        if kind is MemoryKind.GPU:
+            stats = torch.cuda.memory_stats(device)
+            free, step_peak = gpu_budget(
+                free,
+                reserved=stats.get("reserved_bytes.all.current", 0),
+                allocated=stats.get("allocated_bytes.all.current", 0),
+                peak=stats.get("allocated_bytes.all.peak", 0),
+            )
+            step_note = f" after {step_peak / 2**30:.2f} GiB kept for the training step's peak"
         if nbytes > max_fraction * free:
             raise InsufficientMemoryError(
                 f"{what} needs {nbytes / 2**30:.2f} GiB of {kind.value} memory but only "
-                f"{free / 2**30:.2f} GiB is free and ReplicationConfig.max_memory_fraction is "
-                f"{max_fraction}; lower the replication factor k, use another memory kind, or "
-                "shard over more ranks"
+                f"{free / 2**30:.2f} GiB is free{step_note} and "
+                f"ReplicationConfig.max_memory_fraction is {max_fraction}; lower the replication "
+                "factor k, use another memory kind, or shard over more ranks"
             )
+
+
+def gpu_budget(free: int, *, reserved: int, allocated: int, peak: int) -> tuple[int, int]:
+    """GPU memory the snapshots may use, and the step's transient peak kept out of it.
+
+    Memory the caching allocator holds but has not handed out is usable too; what the training
+    step needed above what is allocated now (its activations, gradients, unsharded parameters:
+    the peak since start-up minus the current allocation) must stay free for the next step.
+    Before the first step the peak is not known yet and nothing is kept for it.
+
+    Returns:
+        ``(budget_bytes, step_peak_bytes)``.
+    """
+    step_peak = max(0, peak - allocated)
+    return max(0, free + max(0, reserved - allocated) - step_peak), step_peak
