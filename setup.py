@@ -22,6 +22,7 @@ setup(
         "pyzmq>=25",
         "msgpack>=1.0",
         "numpy>=1.24",
+        "xxhash>=3.0",
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],

@@ -45,6 +45,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.compare_bench",
         "checkpointless vs checkpoint-restart on one job and fault schedule: downtime reduction",
     ),
+    "gpu-check": (
+        "bench.gpu_check",
+        "the GPU path on this machine: copies, checksum, pinned memory, GPU tests (ratios)",
+    ),
 }
 
 

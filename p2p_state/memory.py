@@ -1,4 +1,5 @@
-"""Where snapshot and replica bytes live, how much there is room for, and their checksums.
+"""Where snapshot and replica bytes live, and how much there is room for
+(checksums: :mod:`p2p_state.checksum`).
 
 Three kinds of memory: GPU memory (fastest to copy to and from the training state, uses HBM),
 pinned host memory (page-locked, so GPU<->host copies are DMA at full PCIe speed), and plain
@@ -11,9 +12,10 @@ import enum
 import logging
 import os
 import threading
-import zlib
 
 import torch
+
+from p2p_state.checksum import Checksum, checksum  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -141,71 +143,35 @@ def check_fits(
     """
     for kind, nbytes in needed.items():
         free = available_bytes(kind, device)
+        step_note = ""
+        if kind is MemoryKind.GPU:
+            stats = torch.cuda.memory_stats(device)
+            free, step_peak = gpu_budget(
+                free,
+                reserved=stats.get("reserved_bytes.all.current", 0),
+                allocated=stats.get("allocated_bytes.all.current", 0),
+                peak=stats.get("allocated_bytes.all.peak", 0),
+            )
+            step_note = f" after {step_peak / 2**30:.2f} GiB kept for the training step's peak"
         if nbytes > max_fraction * free:
             raise InsufficientMemoryError(
                 f"{what} needs {nbytes / 2**30:.2f} GiB of {kind.value} memory but only "
-                f"{free / 2**30:.2f} GiB is free and ReplicationConfig.max_memory_fraction is "
-                f"{max_fraction}; lower the replication factor k, use another memory kind, or "
-                "shard over more ranks"
+                f"{free / 2**30:.2f} GiB is free{step_note} and "
+                f"ReplicationConfig.max_memory_fraction is {max_fraction}; lower the replication "
+                "factor k, use another memory kind, or shard over more ranks"
             )
 
 
-#: Checksum algorithms; the id travels in every snapshot header so mismatched peers never compare.
-CRC32 = 1
-WSUM64 = 2
+def gpu_budget(free: int, *, reserved: int, allocated: int, peak: int) -> tuple[int, int]:
+    """GPU memory the snapshots may use, and the step's transient peak kept out of it.
 
-_WSUM_CHUNK = 1 << 24
-_MASK64 = (1 << 64) - 1
+    Memory the caching allocator holds but has not handed out is usable too; what the training
+    step needed above what is allocated now (its activations, gradients, unsharded parameters:
+    the peak since start-up minus the current allocation) must stay free for the next step.
+    Before the first step the peak is not known yet and nothing is kept for it.
 
-
-class Checksum:
-    """Incremental checksum of a 1-D ``uint8`` buffer fed in order, computed where it lives.
-
-    On the host this is CRC-32 (zlib releases the GIL, so it overlaps with sends and training).
-    On the GPU it is a position-weighted sum of 32-bit words computed on the device, so no byte
-    crosses PCIe; any single flipped byte changes both the plain and the weighted sum.
+    Returns:
+        ``(budget_bytes, step_peak_bytes)``.
     """
-
-    def __init__(self, on_gpu: bool) -> None:
-        self.algo = WSUM64 if on_gpu else CRC32
-        self._crc = 0
-        self._plain: torch.Tensor | None = None
-        self._weighted: torch.Tensor | None = None
-        self._next = 0
-
-    def update(self, chunk: torch.Tensor, offset: int) -> None:
-        """Add bytes ``[offset, offset + len(chunk))``; chunks must come in order, no gaps."""
-        assert chunk.dtype == torch.uint8 and chunk.dim() == 1
-        assert offset == self._next, "checksum chunks must be fed in order"
-        self._next += chunk.numel()
-        if self.algo == CRC32:
-            self._crc = zlib.crc32(chunk.numpy(), self._crc)
-            return
-        assert offset % 4 == 0 and chunk.numel() % 4 == 0
-        words = chunk.view(torch.int32)
-        if self._plain is None:
-            self._plain = torch.zeros((), dtype=torch.int64, device=chunk.device)
-            self._weighted = torch.zeros((), dtype=torch.int64, device=chunk.device)
-        first = offset // 4 + 1
-        for start in range(0, words.numel(), _WSUM_CHUNK):
-            piece = words[start : start + _WSUM_CHUNK].to(torch.int64)
-            pos = torch.arange(first + start, first + start + piece.numel(), device=chunk.device)
-            self._plain += piece.sum()
-            self._weighted += (piece * pos).sum()
-
-    def value(self) -> int:
-        """The checksum of everything fed so far."""
-        if self.algo == CRC32:
-            return self._crc & 0xFFFFFFFF
-        if self._plain is None:
-            return 0
-        return (
-            (int(self._plain) & 0xFFFFFFFF) << 32 | (int(self._weighted) & 0xFFFFFFFF)
-        ) & _MASK64
-
-
-def checksum(buf: torch.Tensor) -> int:
-    """Checksum of a whole 1-D ``uint8`` buffer (see :class:`Checksum`)."""
-    c = Checksum(buf.is_cuda)
-    c.update(buf, 0)
-    return c.value()
+    step_peak = max(0, peak - allocated)
+    return max(0, free + max(0, reserved - allocated) - step_peak), step_peak

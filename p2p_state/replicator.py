@@ -250,6 +250,13 @@ class Replicator:
         self._left_behind = False
         """The worker outlived a stop's deadline once (blocked where the abort did not reach);
         later stops do not wait for it again."""
+        self._forward_fence_handle = None
+        if self._stream is not None:
+            # Nor the next forward overwrite buffers it mutates (BatchNorm statistics, FP8
+            # amax/scale), which are snapshotted too: its kernels wait for the copy as well.
+            self._forward_fence_handle = state.model.register_forward_pre_hook(
+                self._fence, prepend=True
+            )
         self._worker = threading.Thread(
             target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
         )
@@ -665,6 +672,9 @@ class Replicator:
         if self._fence_handle is not None:
             self._fence_handle.remove()
             self._fence_handle = None
+        if self._forward_fence_handle is not None:
+            self._forward_fence_handle.remove()
+            self._forward_fence_handle = None
         if self._worker.is_alive() and self._left_behind:
             # Waited for once already: an old generation's store is abandoned again at every
             # later fault, and waiting each time would add the whole deadline to each recovery.

@@ -41,7 +41,7 @@ class SnapshotHeader:
     nbytes: int
     checksum: int
     algo: int
-    """Checksum algorithm (:data:`p2p_state.memory.CRC32` or ``WSUM64``)."""
+    """Checksum algorithm (:data:`p2p_state.checksum.XXH64_BLOCKS`)."""
 
     def to_tensor(self) -> torch.Tensor:
         """Encode as ``HEADER_WORDS`` int64 values (sent ahead of the bytes)."""

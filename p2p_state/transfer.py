@@ -13,13 +13,15 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-#: Each transfer gets its own tag range so chunks of two transfers between one pair never match.
+#: Each transfer gets its own tag range so chunks of two transfers between one pair never match
+#: (on gloo by tag; on NCCL, which ignores tags, by the posting order, see :func:`posting_order`).
 _TAGS_PER_TRANSFER = 1 << 16
 
 
@@ -80,9 +82,10 @@ def exchange(
         TransferError: a send or receive failed (a peer died or the deadline passed). Bytes
             received so far are incomplete and must not be used.
     """
-    items = [(True, s.peer, s.buf, s.tag) for s in sends] + [
-        (False, r.peer, r.buf, r.tag) for r in recvs
-    ]
+    items = posting_order(
+        [(True, s.peer, s.buf, s.tag) for s in sends]
+        + [(False, r.peer, r.buf, r.tag) for r in recvs]
+    )
     for _, _, buf, tag in items:
         assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
         assert tag % _TAGS_PER_TRANSFER == 0
@@ -127,6 +130,24 @@ def exchange(
             complete_oldest()
     while posted:
         complete_oldest()
+
+
+def posting_order(items: list[tuple[bool, int, torch.Tensor, int]]) -> list[Any]:
+    """``(is_send, peer, buf, tag)`` items in the order they are posted: by tag.
+
+    NCCL ignores tags: it matches the operations between a pair in the order they are posted.
+    Posting every rank's items in tag order makes NCCL's matching the same as gloo's (by tag),
+    provided no pair has two transfers in one direction with the same tag, which is asserted.
+    """
+    ordered = sorted(items, key=lambda item: item[3])
+    seen: set[tuple[bool, int, int]] = set()
+    for is_send, peer, _, tag in ordered:
+        key = (is_send, peer, tag)
+        assert key not in seen, (
+            f"two {'sends to' if is_send else 'receives from'} rank {peer} with tag {tag}"
+        )
+        seen.add(key)
+    return ordered
 
 
 def transfer_tag(index: int) -> int:

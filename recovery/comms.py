@@ -17,6 +17,18 @@ the groups are destroyed. Which sockets belong to a generation is recorded when 
 created: the training thread creates them one at a time under a lock, and the connected TCP
 sockets that appear during each creation are that group's (listening sockets are never touched:
 gloo treats a failed ``accept`` as fatal).
+
+NCCL groups are aborted all together, inside one NCCL group (``ncclGroupStart``/``End``), as
+torch's own ``_abort_process_group`` does: aborting communicators that have kernels in flight
+one after another can hang (pytorch#119797), and FSDP's group and the replication group both
+have kernels in flight by design. An abort may still block (a wedged GPU), so it never runs on
+the thread that sends heartbeats (:meth:`Comms.abort_in_background`): a survivor whose abort
+blocks stays alive to the coordinator and is not declared hung.
+
+Every group is created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, the setting the abort API
+requires: with torch's default, ProcessGroupNCCL's watchdog tears the process down on an NCCL
+error or timeout, and a survivor whose collective failed before the interrupt arrived would
+die and use up a spare.
 """
 
 from __future__ import annotations
@@ -36,6 +48,11 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+#: Read by ProcessGroupNCCL when a group is constructed (torch's name, not ours).
+ENV_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+#: No handling by the watchdog: errors surface as failed collectives and this engine aborts.
+NCCL_ASYNC_ERROR_HANDLING = "0"
 
 #: Serialises the creation of sockets whose ownership is recorded (see the module docstring).
 _CREATE_LOCK = threading.Lock()
@@ -113,6 +130,16 @@ class CommsSpec:
     dead generation gets out in time to join the next one."""
     ignore_peers: tuple[tuple[str, int], ...] = ()
     """Peer addresses never treated as a group's socket (the coordinator's control socket)."""
+    side_group_max_ctas: int = 8
+    """CTA limit (``NCCLConfig.max_ctas``) of every NCCL group made after the default one (the
+    replication group): its sends run while FSDP's kernels do, and with no limit they would
+    take SMs from compute. A starting value, not yet measured on GPUs."""
+
+    def __post_init__(self) -> None:
+        if self.side_group_max_ctas < 1:
+            raise ValueError(
+                f"CommsSpec.side_group_max_ctas={self.side_group_max_ctas}; use at least 1"
+            )
 
 
 @dataclass
@@ -145,6 +172,7 @@ class Comms:
             raise Interrupted(f"generation {self.generation} ended before its groups were made")
         ignore = set(self.spec.ignore_peers)
         with _CREATE_LOCK:
+            _set_nccl_environment()
             before = _tcp_sockets()
             try:
                 return create()
@@ -169,7 +197,10 @@ class Comms:
         pg = self.groups.get(name)
         if pg is None:
             join = timedelta(seconds=self.spec.join_timeout_s)
-            pg = self._track(lambda: dist.new_group(backend=backend, timeout=join))
+            options = _side_group_options(backend, self.spec.side_group_max_ctas)
+            pg = self._track(
+                lambda: dist.new_group(backend=backend, timeout=join, pg_options=options)
+            )
             pg.set_timeout(timedelta(seconds=self.spec.timeout_s))
             self.groups[name] = pg
         return pg
@@ -181,14 +212,29 @@ class Comms:
                 self._aborted = True
                 return
             self._aborted = True
-        for pg in (self.default, *self.groups.values()):
-            if pg is not None and _has_nccl(pg):
-                try:
-                    pg.abort()
-                except Exception as e:  # an abort that fails must not stop the others
-                    logger.warning("aborting a NCCL group of generation %d: %s", self.generation, e)
+        # Newest group first, as torch's _abort_process_group orders them.
+        nccl = [
+            pg for pg in (*reversed(self.groups.values()), self.default) if pg and _has_nccl(pg)
+        ]
+        if nccl:
+            abort_together(nccl, _nccl_backend(nccl[-1]), self.generation)
         n = self._shutdown_all()
         logger.info("generation %d: aborted its groups (%d sockets shut down)", self.generation, n)
+
+    def abort_in_background(self) -> threading.Thread | None:
+        """Run :meth:`abort` on a thread of its own and return it (``None`` if already aborted).
+
+        For the thread that sends heartbeats: an NCCL abort can block, and that thread must go
+        on beating meanwhile, or a healthy survivor would be declared hung and killed.
+        """
+        with self._lock:
+            if self._aborted:
+                return None
+        thread = threading.Thread(
+            target=self.abort, name=f"p2p-abort-gen{self.generation}", daemon=True
+        )
+        thread.start()
+        return thread
 
     def _shutdown_all(self) -> int:
         with self._lock:
@@ -216,11 +262,55 @@ class Comms:
         self.default = self.store = None
 
 
-def _has_nccl(pg: dist.ProcessGroup) -> bool:
+def _nccl_backend(pg: Any) -> Any:
     try:
-        return pg._get_backend(torch.device("cuda")).__class__.__name__ == "ProcessGroupNCCL"
+        backend = pg._get_backend(torch.device("cuda"))
     except Exception:
-        return False
+        return None
+    return backend if backend.__class__.__name__ == "ProcessGroupNCCL" else None
+
+
+def _has_nccl(pg: Any) -> bool:
+    return _nccl_backend(pg) is not None
+
+
+def abort_together(groups: list[Any], nccl: Any, generation: int) -> None:
+    """Abort ``groups`` inside one NCCL group opened on backend ``nccl`` (pytorch#119797).
+
+    Every group is aborted even if one abort fails, and the NCCL group is always closed.
+    """
+    nccl._group_start()
+    try:
+        for pg in groups:
+            try:
+                pg.abort()
+            except Exception as e:  # an abort that fails must not stop the others
+                logger.warning("aborting a NCCL group of generation %d: %s", generation, e)
+    finally:
+        nccl._group_end()
+
+
+def _side_group_options(backend: str, max_ctas: int) -> Any:
+    """NCCL options of a group made after the default one (``None`` for other backends)."""
+    if backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = max_ctas
+    return options
+
+
+def _set_nccl_environment() -> None:
+    """Give the group about to be created the NCCL error handling the abort API requires."""
+    previous = os.environ.get(ENV_NCCL_ASYNC_ERROR_HANDLING)
+    if previous not in (None, NCCL_ASYNC_ERROR_HANDLING):
+        logger.warning(
+            "%s=%s replaced by %s: the engine aborts NCCL groups itself, and the watchdog's "
+            "handling would tear down survivors",
+            ENV_NCCL_ASYNC_ERROR_HANDLING,
+            previous,
+            NCCL_ASYNC_ERROR_HANDLING,
+        )
+    os.environ[ENV_NCCL_ASYNC_ERROR_HANDLING] = NCCL_ASYNC_ERROR_HANDLING
 
 
 def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
@@ -277,9 +367,28 @@ def _init_default(
         from torch.distributed import distributed_c10d
 
         distributed_c10d._world.group_count = 0
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=_eager_device(backend),
+    )
     _forget_stale_shardings(world_size, rank)
     return dist.group.WORLD
+
+
+def _eager_device(backend: str) -> torch.device | None:
+    """The GPU to bind an NCCL default group to, or ``None`` without NCCL.
+
+    Bound to a device, the default group creates its NCCL communicator at once (inside the
+    ``communicators`` phase, not in the first collective of the redone step), and every group
+    made from it afterwards is split from it (``ncclCommSplit``) instead of initialised anew.
+    """
+    if "nccl" not in backend or not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 #: This process's rank in each world size that DTensor's caches may hold results for.

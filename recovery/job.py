@@ -247,6 +247,7 @@ class ProtectedJob:
         if self._current is None:
             raise RuntimeError("job.step() belongs inside `for step, batch in job:`")
         step = self._current
+        fault = None
         try:
             yield
             if self._session.interrupted:
@@ -255,9 +256,11 @@ class ProtectedJob:
         except BaseException as e:
             if not self._is_fault(e):
                 raise
-            self._recover(e)
+            fault = _without_frames(e)  # they hold the failed step's GPU memory
         finally:
             self._current = None
+        if fault is not None:
+            self._recover(fault)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -742,3 +745,21 @@ class ProtectedJob:
 def _short(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"{type(exc).__name__}: {text[:200]}"
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` with the tracebacks of it and its causes cut, so their frames can be freed.
+
+    The links are cut, not only dropped: the interpreter and ``contextlib`` still hold the
+    outermost traceback entries while a ``with`` block's exception is being handled.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            tb.tb_next, tb = None, tb.tb_next
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return exc

@@ -205,7 +205,8 @@ class Session:
     def _abort_older_than(self, generation: int) -> None:
         comms = self.comms
         if comms is not None and comms.generation < generation:
-            comms.abort()
+            # Never on this (the heartbeat) thread: an NCCL abort can block.
+            comms.abort_in_background()
 
     # -- the training thread -------------------------------------------------------------------
 

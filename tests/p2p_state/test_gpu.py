@@ -32,14 +32,15 @@ def test_pinned_replicas_over_gloo_restore_bitwise():
         assert r == {"equal": True, "step": 3, "kind": "pinned", "backend": "gloo"}
 
 
-def test_gpu_checksum_matches_in_chunks_and_catches_a_flip():
-    from p2p_state.memory import Checksum, checksum
+def test_gpu_checksum_matches_in_chunks_the_host_s_and_catches_a_flip():
+    from p2p_state.checksum import BLOCK_BYTES, Checksum, checksum
 
-    buf = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    buf = torch.randint(0, 256, (16 * BLOCK_BYTES + 777,), dtype=torch.uint8, device="cuda")
     whole = checksum(buf)
+    assert whole == checksum(buf.cpu())  # any holder can verify any copy
     c = Checksum(on_gpu=True)
-    for off in range(0, buf.numel(), 4096):
-        c.update(buf[off : off + 4096], off)
+    for off in range(0, buf.numel(), 2 * BLOCK_BYTES):
+        c.update(buf[off : off + 2 * BLOCK_BYTES], off)
     assert c.value() == whole
     buf[12345] ^= 1
     assert checksum(buf) != whole

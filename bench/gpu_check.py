@@ -1,0 +1,167 @@
+"""``p2p-bench gpu-check``: check the GPU path on this machine's GPUs, with ratios.
+
+What it runs, each against a reference measured in the same run: the GPU unit tests
+(``pytest -m gpu``); pinned device-to-host and host-to-device copies against a plain
+device-to-device ``copy_`` of the same size; the snapshot checksum on the GPU (the cupy kernel,
+or torch ops where cupy is missing) and on the host against the copy bandwidth, and whether both
+give the same value; pinned-memory allocation time against size. On a machine without CUDA it
+says so in one line and exits 0.
+
+    p2p-bench gpu-check --mib 1024 --out runs/gpu-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.fault_runs import UsageError, machine_info
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``p2p-bench gpu-check``."""
+    p.add_argument("--mib", type=int, default=1024, help="bytes per copy and checksum, MiB")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--skip-tests", action="store_true", help="do not run the GPU unit tests")
+    p.add_argument("--out", default="runs/gpu-check", help="report folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the checks; 0 also where there is no GPU (nothing to check)."""
+    if args.mib < 1 or args.repeats < 1:
+        raise UsageError("--mib and --repeats must be at least 1")
+    if not torch.cuda.is_available():
+        line = "gpu-check: no CUDA device on this machine; nothing to check"
+        print(json.dumps({"benchmark": "gpu-check", "cuda": False}) if args.json else line)
+        return 0
+    report: dict[str, Any] = {
+        "benchmark": "gpu-check",
+        "cuda": True,
+        "device": torch.cuda.get_device_name(),
+        "num_gpus": torch.cuda.device_count(),
+        "machine": machine_info(),
+        "command": " ".join(["p2p-bench", *sys.argv[1:]]),
+    }
+    if not args.skip_tests:
+        report["unit_tests"] = _unit_tests()
+    report["copies"] = _copies(args.mib << 20, args.repeats)
+    report["checksum"] = _checksums(args.mib << 20, args.repeats)
+    report["pinned_alloc"] = _pinned_alloc()
+    report["not_measured"] = [
+        "host time blocked in replicate() per step",
+        "bitwise FSDP2 capture/restore on a 1-rank NCCL mesh (fused, capturable, default AdamW)",
+        "peak memory of a rebuild after an exception",
+        "stream race with buffers mutated in the forward",
+        "replication over NCCL against raw send/recv, and kill-and-recover with 2+ GPUs",
+    ]
+    _write(report, Path(args.out))
+    print(json.dumps(report) if args.json else _table(report))
+    return 0 if report.get("unit_tests", {}).get("passed", True) else 1
+
+
+def _unit_tests() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests"],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    return {"passed": proc.returncode == 0, "summary": last}
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _copies(nbytes: int, repeats: int) -> dict[str, Any]:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2d = _timed(lambda: dst.copy_(src), repeats)
+    d2h = _timed(lambda: pinned.copy_(src, non_blocking=True), repeats)
+    h2d = _timed(lambda: dst.copy_(pinned, non_blocking=True), repeats)
+    return {
+        "bytes": nbytes,
+        "d2d_gbps": nbytes / d2d / 1e9,
+        "pinned_d2h_gbps": nbytes / d2h / 1e9,
+        "pinned_h2d_gbps": nbytes / h2d / 1e9,
+        "d2h_vs_d2d": d2d / d2h,
+        "h2d_vs_d2d": d2d / h2d,
+    }
+
+
+def _checksums(nbytes: int, repeats: int) -> dict[str, Any]:
+    from p2p_state import checksum as ck
+
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), repeats)
+    full = src[: nbytes // ck.BLOCK_BYTES * ck.BLOCK_BYTES]
+    gpu_s = _timed(lambda: ck._block_digests_gpu(full), repeats)
+    host = src.cpu()
+    t0 = time.perf_counter()
+    host_value = ck.checksum(host)
+    host_s = time.perf_counter() - t0
+    return {
+        "kernel": "cupy" if ck._cupy_kernel() is not None else "torch ops (cupy missing)",
+        "gpu_gbps": nbytes / gpu_s / 1e9,
+        "gpu_vs_d2d_copy": copy_s / gpu_s,
+        "host_gbps": nbytes / host_s / 1e9,
+        "gpu_equals_host": ck.checksum(src) == host_value,
+    }
+
+
+def _pinned_alloc() -> list[dict[str, float]]:
+    out = []
+    for mib in (64, 256, 1024):
+        t0 = time.perf_counter()
+        buf = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
+        out.append({"mib": mib, "alloc_ms": (time.perf_counter() - t0) * 1e3})
+        del buf
+    return out
+
+
+def _table(report: dict[str, Any]) -> str:
+    c, k = report["copies"], report["checksum"]
+    lines = [
+        f"gpu-check on {report['device']} x{report['num_gpus']}",
+        f"  unit tests       {report.get('unit_tests', {}).get('summary', 'skipped')}",
+        f"  d2d copy_        {c['d2d_gbps']:.1f} GB/s (reference)",
+        f"  pinned d2h       {c['pinned_d2h_gbps']:.1f} GB/s ({c['d2h_vs_d2d']:.2f}x d2d)",
+        f"  pinned h2d       {c['pinned_h2d_gbps']:.1f} GB/s ({c['h2d_vs_d2d']:.2f}x d2d)",
+        f"  checksum on GPU  {k['gpu_gbps']:.1f} GB/s ({k['gpu_vs_d2d_copy']:.2f}x d2d), "
+        f"{k['kernel']}; equals host: {k['gpu_equals_host']}",
+        f"  checksum on host {k['host_gbps']:.1f} GB/s",
+    ]
+    lines += [f"  pin {a['mib']} MiB     {a['alloc_ms']:.1f} ms" for a in report["pinned_alloc"]]
+    lines.append("  not measured yet: " + "; ".join(report["not_measured"]))
+    return "\n".join(lines)
+
+
+def _write(report: dict[str, Any], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
