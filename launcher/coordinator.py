@@ -103,17 +103,17 @@ class Coordinator:
         """Write coordinator.json atomically so agents and tests can find this job."""
         path = Path(self.config.run_dir) / COORDINATOR_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "host": self.config.host,
-                    "port": self.port,
-                    "store_port": self.store_port,
-                    "job_id": self.config.job_id,
-                    "pid": os.getpid(),
-                }
-            )
-        )
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            doc = {
+                "host": self.config.host,
+                "port": self.port,
+                "store_port": self.store_port,
+                "job_id": self.config.job_id,
+                "pid": os.getpid(),
+            }
+            f.write(json.dumps(doc))
         os.replace(tmp, path)
         self.events.write("coordinator_started", port=self.port, store_port=self.store_port)
 

@@ -356,9 +356,9 @@ class Codec:
         if not isinstance(doc, dict):
             raise Rejected("payload is not a map")
         if doc.get("v") != PROTOCOL_VERSION:
-            raise Rejected(f"unknown protocol version {doc.get('v')!r}")
+            raise Rejected(f"unknown protocol version {str(doc.get('v'))[:20]!r}")
         if doc.get("job") != self.job_id:
-            raise Rejected(f"message of another job {doc.get('job')!r}")
+            raise Rejected(f"message of another job {str(doc.get('job'))[:40]!r}")
         type_, sender, gen, seq, epoch, body = (
             doc.get("type"),
             doc.get("sender"),
@@ -375,7 +375,11 @@ class Codec:
         if not isinstance(body, dict):
             raise Rejected("malformed body")
         for name, value in (("generation", gen), ("sequence number", seq), ("epoch", epoch)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= _MAX_ABS_INT
+            ):
                 raise Rejected(f"malformed {name}")
         _check_body(type_, body)
         if routing_id is not None and sender != routing_id:
