@@ -45,6 +45,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.compare_bench",
         "checkpointless vs checkpoint-restart on one job and fault schedule: downtime reduction",
     ),
+    "hostile": (
+        "bench.hostile_bench",
+        "the coordinator under floods, forgeries, replays and squatters: crashes, RSS, lock-outs",
+    ),
 }
 
 
