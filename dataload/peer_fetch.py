@@ -132,6 +132,7 @@ class SegmentServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._sock.setsockopt(zmq.RCVHWM, 1000)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5_000)  # half-open connections do not linger
         # Replies to a peer that does not read are dropped, not queued without bound.
         self._sock.setsockopt(zmq.SNDHWM, 4)
         self.dropped = 0

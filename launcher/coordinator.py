@@ -75,6 +75,7 @@ class Coordinator:
         # refused: an unauthenticated socket that connected first as ``agent/1`` cannot keep
         # the real node 1 unserved (docs/security.md).
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        logger.debug("open-file limit %d", protocol.raise_descriptor_limit())
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
             self.port = config.port

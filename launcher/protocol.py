@@ -201,12 +201,40 @@ class DropLog:
         return False
 
 
+HANDSHAKE_MS = 5_000
+"""A connection that has not finished the ZMTP handshake by then is closed (libzmq: 30 s)."""
+
+
 def harden_socket(sock: Any) -> None:
-    """Bound what a peer can make ``sock`` buffer: frame size and queue length."""
+    """Bound what a peer can make ``sock`` hold: frame size, queue length, half-open connections.
+
+    A connection that never completes its handshake (a raw TCP socket, a half-sent greeting) is
+    closed after :data:`HANDSHAKE_MS`, so idle attackers do not hold descriptors for long.
+    """
     import zmq
 
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit; returns the new soft limit.
+
+    A listener's connections each hold a descriptor: the higher the limit, the larger the flood
+    of idle connections it takes before a new, legitimate peer cannot connect.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d: %s", soft, e)
+    return soft
 
 
 class Rejected(ValueError):

@@ -225,3 +225,25 @@ def test_the_peer_server_answers_only_signed_in_range_requests(tmp_path, ctx):
     finally:
         dealer.close(linger=0)
         server.close()
+
+
+def test_idle_connections_are_closed_and_never_starve_a_new_agent(coordinator, ctx):
+    idle = [socket.create_connection(("127.0.0.1", coordinator.port)) for _ in range(200)]
+    try:
+        real, _ = _hello(ctx, coordinator.port)
+        coordinator.serve(stop_after_s=1.0)
+        assert _welcomed(real), "a new agent is served beside 200 idle connections"
+        # A connection that never completes its handshake is closed by the coordinator.
+        idle[0].settimeout(protocol.HANDSHAKE_MS / 1000 * 6)
+        try:
+            while idle[0].recv(4096):
+                pass  # the coordinator's greeting; then the close
+            closed = True
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False
+        assert closed, "an idle half-open connection is closed after HANDSHAKE_MS"
+    finally:
+        for s in idle:
+            s.close()
