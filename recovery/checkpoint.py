@@ -225,14 +225,16 @@ class ColdCheckpointer:
                     f"no complete checkpoint under {self.config.root!r}: nothing to resume from; "
                     "check the path (CheckpointConfig.root / --resume) or start without resuming"
                 )
-            step = steps[-1]
+            # The newest checkpoint the job's secret vouches for (a save abandoned after a fault
+            # may be complete but unsigned); refused ones are logged with their reason.
+            step = manifest.latest_vouched(steps, lambda s: _fs(self._path(s)))
         elif step not in steps:
             raise CheckpointNotFoundError(
                 f"no complete checkpoint of step {step} under {self.config.root!r}; "
                 f"complete ones: {steps or 'none'}"
             )
         path = self._path(step)
-        manifest.verify_if_secret(*_fs(path))  # before DCP unpickles its .metadata
+        manifest.verify_if_secret(*_fs(path), cached=True)  # before DCP unpickles .metadata
         meta = {"meta/world_size": torch.zeros(1, dtype=torch.int64)}
         dcp.load(meta, checkpoint_id=path, process_group=self.group)
         saved_world = int(meta["meta/world_size"].item())

@@ -113,11 +113,22 @@ def sign_if_secret(fs, directory: str) -> None:
         sign(fs, directory, secret)
 
 
-def verify_if_secret(fs, directory: str) -> None:
-    """:func:`verify` with the job's secret; without one, note once that nothing is checked."""
+_vouched: set[str] = set()
+
+
+def verify_if_secret(fs, directory: str, cached: bool = False) -> None:
+    """:func:`verify` with the job's secret; without one, note once that nothing is checked.
+
+    Args:
+        cached: Skip the check if this process verified ``directory`` a moment ago (in
+            :func:`latest_vouched`), so a checkpoint is hashed once per load.
+    """
     global _warned_unsigned
     secret = job_secret()
     if secret is not None:
+        if cached and directory in _vouched:
+            _vouched.discard(directory)
+            return
         verify(fs, directory, secret)
     elif not _warned_unsigned:
         _warned_unsigned = True
@@ -125,3 +136,28 @@ def verify_if_secret(fs, directory: str) -> None:
             "no job secret (%s unset): loading checkpoints without a signed manifest check",
             "P2P_SECRET_FILE",
         )
+
+
+def latest_vouched(steps: list[int], locate) -> int:
+    """The newest of ``steps`` (ascending) whose checkpoint passes :func:`verify_if_secret`.
+
+    Args:
+        steps: Complete checkpoints' steps, ascending (not empty).
+        locate: ``step -> (fs, directory)``.
+
+    Raises:
+        CheckpointRefused: none passes (the newest one's reason).
+    """
+    first_error: CheckpointRefused | None = None
+    for step in reversed(steps):
+        fs, directory = locate(step)
+        try:
+            verify_if_secret(fs, directory)
+        except CheckpointRefused as e:
+            logger.warning("%s", e)
+            first_error = first_error or e
+            continue
+        _vouched.add(directory)
+        return step
+    assert first_error is not None
+    raise first_error

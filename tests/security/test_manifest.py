@@ -51,3 +51,26 @@ def test_a_manifest_signed_with_another_secret_is_refused(checkpoint):
     manifest.sign(fs, str(d), b"another job's secret")
     with pytest.raises(manifest.CheckpointRefused, match="not signed with this job's secret"):
         manifest.verify(fs, str(d), SECRET)
+
+
+def test_the_newest_vouched_checkpoint_is_chosen(tmp_path, monkeypatch):
+    from launcher import protocol
+
+    secret_file = tmp_path / "secret"
+    secret = protocol.write_secret(str(secret_file))
+    monkeypatch.setenv(protocol.ENV_SECRET_FILE, str(secret_file))
+    fs = fsspec.filesystem("file")
+    dirs = {}
+    for step in (10, 20):
+        d = tmp_path / f"step-{step}"
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"m%d" % step)
+        dirs[step] = str(d)
+    manifest.sign(fs, dirs[10], secret)  # step 20 was abandoned before it was signed
+    assert manifest.latest_vouched([10, 20], lambda s: (fs, dirs[s])) == 10
+    manifest.sign(fs, dirs[20], secret)
+    assert manifest.latest_vouched([10, 20], lambda s: (fs, dirs[s])) == 20
+    (tmp_path / "step-10" / ".metadata").write_bytes(b"evil")
+    (tmp_path / "step-20" / ".metadata").write_bytes(b"evil")
+    with pytest.raises(manifest.CheckpointRefused, match="step-20"):
+        manifest.latest_vouched([10, 20], lambda s: (fs, dirs[s]))
