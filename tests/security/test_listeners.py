@@ -247,3 +247,55 @@ def test_idle_connections_are_closed_and_never_starve_a_new_agent(coordinator, c
     finally:
         for s in idle:
             s.close()
+
+
+def test_an_agent_survives_hostile_frames_before_its_welcome(tmp_path, secret_file, ctx):
+    import threading
+
+    from launcher.agent import Agent, AgentConfig, AgentError
+
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    coord = protocol.Codec(SECRET, "p2p-job", "coordinator")
+    sent = []
+
+    def fake_coordinator():
+        if not router.poll(20_000):
+            return
+        ident = router.recv_multipart()[0]
+        hostile = [
+            [b"x"],
+            [os.urandom(32), os.urandom(100)],
+            protocol.Codec(b"wrong", "p2p-job", "coordinator").encode(protocol.SHUTDOWN, {}),
+            protocol.Codec(SECRET, "p2p-job", "rank/0/0").encode(protocol.SHUTDOWN, {}),
+            coord.encode(protocol.SHUTDOWN, {"code": "two", "reason": ["x"]}),
+        ]
+        for frames in hostile:
+            router.send_multipart([ident, *frames])
+        router.send_multipart(
+            [ident, *coord.encode(protocol.SHUTDOWN, {"code": 2, "reason": "the real answer"})]
+        )
+        sent.append(len(hostile))
+
+    thread = threading.Thread(target=fake_coordinator, daemon=True)
+    thread.start()
+    agent = Agent(
+        AgentConfig(
+            node_rank=0,
+            nnodes=1,
+            nproc_per_node=1,
+            spares=0,
+            command=("true",),
+            coordinator=f"127.0.0.1:{port}",
+            job_id="p2p-job",
+            secret_file=secret_file,
+            run_dir=str(tmp_path),
+            welcome_timeout_s=20,
+        )
+    )
+    with pytest.raises(AgentError, match="the real answer"):
+        agent.run()
+    thread.join(timeout=10)
+    assert sent == [5] and agent.codec.drops.total == 5, "every hostile frame was dropped"
+    router.close(linger=0)
