@@ -92,7 +92,8 @@ def verify(fs, directory: str, secret: bytes) -> None:
         raise CheckpointRefused(f"refusing {where}: malformed {MANIFEST_FILE}")
     if not hmac.compare_digest(tag, _tag(secret, files)):
         raise CheckpointRefused(
-            f"refusing {where}: its {MANIFEST_FILE} is not signed with this job's secret"
+            f"refusing {where}: its {MANIFEST_FILE} is not signed with this job's secret "
+            "(resume with --secret-file of the job that wrote it)"
         )
     actual = _entries(fs, directory)
     for name in sorted(set(files) | set(actual)):
