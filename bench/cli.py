@@ -49,6 +49,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.gpu_check",
         "the GPU path on this machine: copies, checksum, pinned memory, GPU tests (ratios)",
     ),
+    "hostile": (
+        "bench.hostile_bench",
+        "the coordinator under floods, forgeries, replays and squatters: crashes, RSS, lock-outs",
+    ),
 }
 
 

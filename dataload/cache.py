@@ -8,6 +8,11 @@ torn file. Opening checks the header, the size (truncation), the fingerprint (an
 tokenizer) and every segment's CRC; a cache failing any check is rebuilt, with a log line that
 says why, and never read. The cache lives in ``/dev/shm`` by default, so it outlives the process
 that built it: a replacement rank maps it in milliseconds.
+
+``/dev/shm`` is writable by every local user, so the cache directory is private (0700, owned by
+this user, not a symlink; anything else is refused with the fix) and every file in it is created
+with ``O_EXCL | O_NOFOLLOW`` under an unpredictable name: a planted symlink is never written
+through.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
+import stat
 import time
 import zlib
 from collections.abc import Callable
@@ -40,8 +47,9 @@ class CacheInvalid(ValueError):
 class CacheConfig:
     """Where the node's cache lives and how it is built."""
 
-    directory: str = "/dev/shm/p2p-cache"
-    """Node-local storage (``/dev/shm`` survives process replacement, not a reboot)."""
+    directory: str = field(default_factory=lambda: f"/dev/shm/p2p-cache-{os.getuid()}")
+    """Node-local storage (``/dev/shm`` survives process replacement, not a reboot); a private
+    directory of this user (created 0700 if missing)."""
     name: str = "dataset"
     segment_samples: int = 4096
     """Samples per checksummed segment (also the unit a peer fetch moves)."""
@@ -154,6 +162,41 @@ class SampleCache:
         return memoryview(self._mm[start:end])
 
 
+_NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def private_dir(directory: Path) -> None:
+    """Create ``directory`` (0700) or check an existing one is this user's private directory.
+
+    Raises:
+        ValueError: it is a symlink, not a directory, owned by another user, or open to others
+            (one line with the fix).
+    """
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ValueError(
+            f"cache directory {directory} is a symlink or not a directory; remove it or set "
+            "CacheConfig.directory to a directory of your own"
+        )
+    if st.st_uid != os.getuid():
+        raise ValueError(
+            f"cache directory {directory} belongs to uid {st.st_uid}, not to this user; set "
+            "CacheConfig.directory to a directory of your own"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(directory, 0o700)  # ours: close it (a directory made by an earlier version)
+
+
+def _open_new(path: Path) -> int:
+    """Create ``path`` exclusively (0600), never through a symlink."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+
+
 def _crc_segments(data: np.ndarray, header: CacheHeader) -> list[int]:
     return [zlib.crc32(data[slice(*header.segment_range(i))]) for i in range(header.num_segments)]
 
@@ -164,9 +207,15 @@ def validate(path: Path, fingerprint: str) -> CacheHeader:
     Raises:
         CacheInvalid: with the reason it must not be used.
     """
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise CacheInvalid("no cache file")
-    with open(path, "rb") as f:
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as e:
+        raise CacheInvalid(f"cannot open it without following links: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise CacheInvalid("not a regular file")
         header = CacheHeader.decode(f.read(HEADER_BYTES))
     expected = HEADER_BYTES + header.count * header.sample_bytes
     if path.stat().st_size != expected:
@@ -200,9 +249,9 @@ def write_cache(
     ``fill(samples)`` writes all ``count`` samples into the given ``(count, *shape)`` array.
     """
     header = CacheHeader(dtype, tuple(shape), count, fingerprint, segment_samples)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     size = HEADER_BYTES + count * header.sample_bytes
-    with open(tmp, "wb") as f:
+    with os.fdopen(_open_new(tmp), "wb") as f:
         f.truncate(size)
     try:
         mm = np.memmap(
@@ -219,7 +268,7 @@ def write_cache(
         )
         mm.flush()
         del mm
-        with open(tmp, "r+b") as f:
+        with os.fdopen(os.open(tmp, os.O_RDWR | _NOFOLLOW), "r+b") as f:
             f.write(header.encode())
             f.flush()
             os.fsync(f.fileno())
@@ -241,7 +290,7 @@ class FileLock:
         self.path, self.timeout_s = path, timeout_s
 
     def __enter__(self) -> FileLock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -280,7 +329,7 @@ def open_or_build(
             reading and tokenising the source happen on one rank of the node, once.
     """
     path = config.path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     with FileLock(path.with_name(path.name + ".lock"), config.lock_timeout_s):
         try:
             header = validate(path, fingerprint)

@@ -1,12 +1,17 @@
 """Peer fetch: a node that joins with no cache copies it from a peer node, segment by segment.
 
 A :class:`SegmentServer` on any node that has the cache answers two requests over a ZeroMQ
-ROUTER socket: the cache header, and segment ``i``. Every reply is ``[tag, meta, data]`` with an
-HMAC-SHA256 (the job secret) over meta and data, checked with ``hmac.compare_digest`` before
-anything is decoded. :func:`fetch_cache` checks the header's fingerprint against the source it
-expects, checks every segment's CRC against the header, asks again for a segment that arrives
-corrupted (up to ``retries`` times) and publishes the cache atomically like a local build. The
-address of a peer comes from the caller (the control plane knows which nodes hold the cache).
+ROUTER socket: the cache header, and segment ``i``. Every request is ``[tag, req]`` and every
+reply ``[tag, meta, data]``, each with an HMAC-SHA256 (the job secret, domain-separated so a
+reply can never pass as a request) checked with ``hmac.compare_digest`` before anything is
+decoded: a party without the secret gets nothing. A request carries its send time and is
+refused outside :data:`REQUEST_FRESHNESS_S`; the segment index must be an integer in range (no
+negative wrap-around); the server's sockets take frames of at most :data:`MAX_REQUEST_BYTES`
+and the client's at most :data:`MAX_REPLY_BYTES`. :func:`fetch_cache` checks the header's
+fingerprint against the source it expects, checks every segment's CRC against the header, asks
+again for a segment that arrives corrupted (up to ``retries`` times) and publishes the cache
+atomically like a local build. The address of a peer comes from the caller (the control plane
+knows which nodes hold the cache).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -28,20 +34,39 @@ from dataload.cache import (
     CacheHeader,
     FileLock,
     SampleCache,
+    private_dir,
     write_cache,
 )
 
 logger = logging.getLogger(__name__)
 
 
+MAX_REQUEST_BYTES = 1024
+"""A request is a tiny map; a peer announcing a bigger frame is disconnected by libzmq."""
+MAX_REPLY_BYTES = 1 << 30
+"""Largest reply frame a fetching node accepts (one segment; see CacheConfig.segment_samples)."""
+REQUEST_FRESHNESS_S = 120.0
+"""How far a request's send time may be from the server's clock (a captured one goes stale)."""
+_REQUEST_DOMAIN = b"p2p-peer-fetch-request\0"
+_REPLY_DOMAIN = b"p2p-peer-fetch-reply\0"
+
+
 class PeerFetchError(RuntimeError):
     """The cache could not be fetched from the peer (after retries, or within the deadline)."""
+
+
+def _tag(secret: bytes, domain: bytes, m: bytes, data: bytes = b"") -> bytes:
+    mac = hmac.new(secret, domain, hashlib.sha256)
+    mac.update(len(m).to_bytes(8, "little"))
+    mac.update(m)
+    mac.update(data)
+    return mac.digest()
 
 
 def pack_reply(secret: bytes, meta: dict, data: bytes = b"") -> list[bytes]:
     """``[tag, meta, data]`` with the tag over meta and data."""
     m = msgpack.packb(meta)
-    return [hmac.new(secret, m + data, hashlib.sha256).digest(), m, data]
+    return [_tag(secret, _REPLY_DOMAIN, m, data), m, data]
 
 
 def unpack_reply(secret: bytes, frames: list[bytes]) -> tuple[dict, bytes]:
@@ -49,9 +74,52 @@ def unpack_reply(secret: bytes, frames: list[bytes]) -> tuple[dict, bytes]:
     if len(frames) != 3:
         raise PeerFetchError(f"malformed reply ({len(frames)} frames)")
     tag, m, data = frames
-    if not hmac.compare_digest(tag, hmac.new(secret, m + data, hashlib.sha256).digest()):
+    if not hmac.compare_digest(tag, _tag(secret, _REPLY_DOMAIN, m, data)):
         raise PeerFetchError("reply failed authentication (wrong secret or tampered)")
-    return msgpack.unpackb(m), data
+    try:
+        meta = msgpack.unpackb(m)
+    except Exception as e:
+        raise PeerFetchError(f"undecodable reply: {type(e).__name__}") from None
+    if not isinstance(meta, dict):
+        raise PeerFetchError("malformed reply (meta is not a map)")
+    return meta, data
+
+
+def pack_request(secret: bytes, req: dict) -> list[bytes]:
+    """``[tag, req]``: a signed request, stamped with its send time."""
+    m = msgpack.packb({**req, "t": time.time()})
+    return [_tag(secret, _REQUEST_DOMAIN, m), m]
+
+
+def unpack_request(secret: bytes, frames: list[bytes], num_segments: int) -> dict:
+    """Verify and check a request; ``ValueError`` naming what is wrong.
+
+    Returns:
+        ``{"what": "header"}`` or ``{"what": "segment", "segment": i}`` with ``0 <= i <
+        num_segments``.
+    """
+    if len(frames) != 2:
+        raise ValueError(f"malformed request ({len(frames)} frames)")
+    tag, m = frames
+    if not hmac.compare_digest(tag, _tag(secret, _REQUEST_DOMAIN, m)):
+        raise ValueError("request failed authentication")
+    try:
+        req = msgpack.unpackb(m)
+    except Exception as e:
+        raise ValueError(f"undecodable request: {type(e).__name__}") from None
+    if not isinstance(req, dict):
+        raise ValueError("request is not a map")
+    sent = req.get("t")
+    if isinstance(sent, bool) or not isinstance(sent, (int, float)):
+        raise ValueError("request has no send time")
+    if not abs(time.time() - sent) <= REQUEST_FRESHNESS_S:
+        raise ValueError("stale request (replayed, or a clock far off)")
+    if req.get("what") == "header":
+        return {"what": "header"}
+    i = req.get("segment")
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_segments:
+        raise ValueError(f"segment index {str(i)[:20]} out of range [0, {num_segments})")
+    return {"what": "segment", "segment": i}
 
 
 class SegmentServer:
@@ -62,6 +130,12 @@ class SegmentServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, 5_000)  # half-open connections do not linger
+        # Replies to a peer that does not read are dropped, not queued without bound.
+        self._sock.setsockopt(zmq.SNDHWM, 4)
+        self.dropped = 0
         self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{self.port}"
         self._stop = threading.Event()
@@ -71,21 +145,40 @@ class SegmentServer:
     def _serve(self) -> None:
         header = self.cache.header.encode()
         while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            ident, *frames = self._sock.recv_multipart()
             try:
-                req = msgpack.unpackb(frames[-1])
-                if req.get("what") == "header":
-                    reply = pack_reply(self.secret, {"what": "header"}, header)
-                else:
-                    i = int(req["segment"])
-                    data = bytes(self.cache.segment_bytes(i))
-                    reply = pack_reply(self.secret, {"what": "segment", "segment": i}, data)
-            except Exception as e:
-                logger.warning("bad segment request: %r", e)
-                reply = pack_reply(self.secret, {"what": "error", "reason": repr(e)})
-            self._sock.send_multipart([ident, b"", *reply])
+                if not self._sock.poll(100):
+                    continue
+                self._answer(self._sock.recv_multipart(), header)
+            except Exception:  # the server outlives any request: log (rate-limited), go on
+                self._drop("internal error answering a request", exc_info=True)
+
+    def _answer(self, frames: list[bytes], header: bytes) -> None:
+        if len(frames) < 2 or frames[1] != b"":
+            self._drop(f"malformed request envelope ({len(frames)} frames)")
+            return
+        ident, _, *body = frames
+        try:
+            req = unpack_request(self.secret, body, self.cache.header.num_segments)
+        except ValueError as e:
+            # Nothing is sent back to an unauthenticated or malformed request.
+            self._drop(f"refused a segment request: {e}")
+            return
+        if req["what"] == "header":
+            reply = pack_reply(self.secret, {"what": "header"}, header)
+        else:
+            i = req["segment"]
+            data = bytes(self.cache.segment_bytes(i))
+            reply = pack_reply(self.secret, {"what": "segment", "segment": i}, data)
+        try:
+            self._sock.send_multipart([ident, b"", *reply], zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop("a peer is not reading its replies; dropped one")
+
+    def _drop(self, reason: str, exc_info: bool = False) -> None:
+        self.dropped += 1
+        # The first few in full, then one line in a thousand: a flood cannot fill the disk.
+        if self.dropped <= 10 or self.dropped % 1000 == 0:
+            logger.warning("%s (%d dropped so far)", reason, self.dropped, exc_info=exc_info)
 
     def close(self) -> None:
         """Stop serving and close the socket."""
@@ -113,12 +206,16 @@ def fetch_cache(
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sock.connect(address)
 
     def ask(req: dict) -> tuple[dict, bytes]:
-        sock.send_multipart([b"", msgpack.packb(req)])
+        sock.send_multipart([b"", *pack_request(secret, req)])
         if not sock.poll(timeout_s * 1000):
-            raise PeerFetchError(f"no answer from {address} within {timeout_s:.0f}s")
+            raise PeerFetchError(
+                f"no answer from {address} within {timeout_s:.0f}s (a peer does not answer a "
+                "request signed with another job's secret)"
+            )
         return unpack_reply(secret, sock.recv_multipart()[1:])
 
     try:
@@ -157,7 +254,7 @@ def fetch_cache(
             pos += len(data)
 
     path: Path = config.path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     with FileLock(path.with_name(path.name + ".lock"), config.lock_timeout_s):
         written = write_cache(
             path,

@@ -208,6 +208,7 @@ class Agent:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.identity.encode())
         sock.setsockopt(zmq.LINGER, 500)
+        protocol.harden_socket(sock)
         sock.connect(f"tcp://{cfg.coordinator}")
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
@@ -227,15 +228,11 @@ class Agent:
                     "nproc_per_node": cfg.nproc_per_node,
                 },
             )
-            if not sock.poll(cfg.welcome_timeout_s * 1000):
-                raise TimeoutError(
-                    f"no answer from the coordinator at {cfg.coordinator} within "
-                    f"{cfg.welcome_timeout_s:.0f}s; check --coordinator and that node 0 runs"
-                )
-            first = self.codec.decode(sock.recv_multipart())
+            first = self._await_welcome(sock)
             if first.type == protocol.SHUTDOWN:
-                raise AgentError(f"the coordinator refused this node: {first.body['reason']}")
-            self.store_port = int(first.body["store_port"])
+                reason = first.body.get("reason", "")
+                raise AgentError(f"the coordinator refused this node: {reason}")
+            self.store_port = int(first.body.get("store_port", 0))
             if cfg.node_rank < cfg.nnodes:
                 for local in range(cfg.nproc_per_node):
                     self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
@@ -257,6 +254,21 @@ class Agent:
             sock.close(linger=500)
             ctx.term()
             self.events.close()
+
+    def _await_welcome(self, sock: zmq.Socket) -> protocol.Message:
+        """The coordinator's first answer (welcome or shutdown); anything else is dropped."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.welcome_timeout_s
+        while True:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0 or not sock.poll(left_s * 1000):
+                raise TimeoutError(
+                    f"no answer from the coordinator at {cfg.coordinator} within "
+                    f"{cfg.welcome_timeout_s:.0f}s; check --coordinator and that node 0 runs"
+                )
+            for msg in self.codec.drain(sock):
+                if msg.type in (protocol.WELCOME, protocol.SHUTDOWN):
+                    return msg
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signal = signum
@@ -298,7 +310,8 @@ class Agent:
         for msg in self.codec.drain(sock):
             self._heard = time.monotonic()
             if msg.type == protocol.KILL:
-                self._kill(str(msg.body["identity"]), int(msg.body["pid"]), str(msg.body["reason"]))
+                body = msg.body
+                self._kill(body["identity"], body["pid"], str(body.get("reason", "")))
             elif msg.type == protocol.SPAWN_SPARE:
                 self._spawn_spare()
             elif msg.type == protocol.SHUTDOWN:

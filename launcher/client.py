@@ -238,6 +238,7 @@ class ControlClient:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.config.identity.encode())
         sock.setsockopt(zmq.LINGER, 500)
+        protocol.harden_socket(sock)
         sock.connect(f"tcp://{self.config.coordinator}")
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)

@@ -70,7 +70,12 @@ class Coordinator:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        protocol.harden_socket(self.sock)
+        # A connection that claims an identity already held takes it over instead of being
+        # refused: an unauthenticated socket that connected first as ``agent/1`` cannot keep
+        # the real node 1 unserved (docs/security.md).
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        logger.debug("open-file limit %d", protocol.raise_descriptor_limit())
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
             self.port = config.port
@@ -99,17 +104,17 @@ class Coordinator:
         """Write coordinator.json atomically so agents and tests can find this job."""
         path = Path(self.config.run_dir) / COORDINATOR_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "host": self.config.host,
-                    "port": self.port,
-                    "store_port": self.store_port,
-                    "job_id": self.config.job_id,
-                    "pid": os.getpid(),
-                }
-            )
-        )
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            doc = {
+                "host": self.config.host,
+                "port": self.port,
+                "store_port": self.store_port,
+                "job_id": self.config.job_id,
+                "pid": os.getpid(),
+            }
+            f.write(json.dumps(doc))
         os.replace(tmp, path)
         self.events.write("coordinator_started", port=self.port, store_port=self.store_port)
 
@@ -164,22 +169,35 @@ class Coordinator:
             routing = frames[0].decode("utf-8", errors="replace")
             msg = self.codec.decode(frames[1:], routing_id=routing)
         except protocol.Rejected as e:
-            self.dropped += 1
-            logger.warning("dropped a control message: %s", e.reason)
-            self.events.write("message_dropped", reason=e.reason)
+            self._drop(e.reason)
             return
-        self.membership.heartbeat(msg.sender, now)
+        except Exception as e:  # no frame of any shape may end the coordinator
+            self._internal_error("decode", e)
+            return
         try:
             self._dispatch(msg, now)
         except (KeyError, TypeError, ValueError) as e:
-            self.dropped += 1
-            logger.warning("dropped a malformed %s from %s: %r", msg.type, msg.sender, e)
-            self.events.write("message_dropped", reason=f"malformed {msg.type} body: {e!r}")
+            self._drop(f"malformed {msg.type} from {msg.sender}: {e!r}")
         except Exception as e:
             self._internal_error(msg.type, e)
 
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        # Rate-limited, in the log and in the event log alike: a flood cannot fill the disk.
+        if self.codec.drops.drop(reason):
+            self.events.write("message_dropped", reason=reason)
+
     def _dispatch(self, msg: protocol.Message, now: float) -> None:
         body = msg.body
+        if msg.type == protocol.SCALE:
+            # Only an operator resizes; the schema already made ``size`` an integer (not a bool).
+            if not msg.sender.startswith("operator/") or msg.sender in self.membership.procs:
+                raise ValueError(f"{msg.sender} may not resize the job (only p2p-run scale)")
+        elif msg.sender.startswith("operator/"):
+            raise ValueError(f"an operator may only send scale, not {msg.type}")
+        elif msg.type != protocol.HELLO and msg.sender not in self.membership.procs:
+            raise ValueError(f"{msg.sender} sent {msg.type} before its hello")
+        self.membership.heartbeat(msg.sender, now)
         if msg.type == protocol.HELLO:
             proc = Process(msg.sender, str(body["role"]), int(body["node"]), int(body["pid"]))
             if proc.role not in ("rank", "spare", "agent"):
@@ -240,6 +258,7 @@ class Coordinator:
             self._apply(self.membership.ack(msg.sender, int(body["generation"]), now))
         elif msg.type == protocol.EXITED:
             identity = str(body["identity"])
+            self._check_reporter(msg.sender, identity)
             self.events.write("process_exited", identity=identity, code=int(body["code"]))
             self.codec.forget(identity)
             rank = body.get("rank")
@@ -250,6 +269,16 @@ class Coordinator:
             )
         else:
             raise ValueError(f"{msg.type} is not a message the coordinator accepts")
+
+    def _check_reporter(self, sender: str, identity: str) -> None:
+        """Only an agent reports an exit, and only of a process of its own node."""
+        agent = self.membership.procs.get(sender)
+        if agent is None or agent.role != "agent":
+            raise ValueError(f"{sender} is not an agent and may not report exits")
+        proc = self.membership.procs.get(identity)
+        node = proc.node if proc is not None else identity.split("/")[1:2]
+        if node not in (agent.node, [str(agent.node)]):
+            raise ValueError(f"the agent of node {agent.node} reported {identity} of another node")
 
     def _apply(self, actions: list[Any]) -> None:
         for action in actions:

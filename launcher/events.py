@@ -24,9 +24,11 @@ class EventLog:
         self.source = source
         self._fd = None
         if run_dir is not None:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            # Private to this user (0700 directory, 0600 file), never written through a link.
+            Path(run_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
             path = Path(run_dir) / EVENTS_FILE
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fd = os.open(path, flags, 0o600)
 
     def write(self, event: str, **fields: Any) -> None:
         """Append one event (a single ``write`` call, so lines from processes never mix)."""

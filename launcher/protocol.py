@@ -4,8 +4,16 @@ Every message is two ZeroMQ frames: an HMAC-SHA256 tag, then a msgpack map
 ``{v, type, job, sender, gen, seq, body}``. The tag is checked (``hmac.compare_digest``) before a
 byte of the payload is decoded; then the version, the job id, the type, the sender (it must match
 the ZeroMQ routing identity it came from) and the sequence number (strictly increasing per
-sender: a replayed or reordered message is dropped) are checked. A message failing any check is
-dropped with its reason; nothing here raises on network input except :class:`Rejected`.
+sender and process incarnation: a replayed or reordered message is dropped) are checked, then
+the body against the type's schema (:data:`BODY_SCHEMA`). A message failing any check is dropped
+with its reason; nothing here raises on network input except :class:`Rejected`.
+
+Replay state is kept per sender *and incarnation*: every process stamps an ``epoch`` (its start
+time in nanoseconds) on what it sends. A sender's newer incarnation resets its sequence numbers
+(a restarted agent rejoins); a frame of an older incarnation never counts again, even after the
+process it came from has exited. ``hello`` and ``scale`` must also be fresh (their epoch within
+:data:`FRESHNESS_S` of the receiver's clock), so a frame captured in an earlier run that reused
+the secret file is refused. See docs/security.md.
 
 Why HMAC with a per-job secret rather than ZeroMQ CURVE: the threat is a stray or malicious
 process on the cluster network injecting membership changes, not eavesdropping on membership
@@ -23,6 +31,7 @@ import hmac
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +39,16 @@ import msgpack
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 256 * 1024
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 64
+"""ZMQ_MAXMSGSIZE of every control-plane socket: libzmq drops the connection of a peer announcing
+a bigger frame before buffering it (the signature frame and the payload both fit)."""
+RECEIVE_HWM = 10_000
+"""Receive high-water mark (messages) of every control-plane socket: a bounded queue."""
+FRESHNESS_S = 600.0
+"""How far (either way) the epoch of a ``hello`` or ``scale`` may be from the receiver's clock."""
+MAX_IDENTITY_CHARS = 64
 
 # Environment variables p2p-run sets for every rank and spare (torchrun's own are set too).
 ENV_COORDINATOR = "P2P_COORDINATOR"
@@ -87,6 +104,139 @@ TYPES = frozenset(
 )
 
 
+_INT = (int,)
+_OPT_INT = (int, type(None))
+_STR = (str,)
+BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    # type -> field -> (accepted types, required). Integers never accept bool; fields not named
+    # here are ignored by every receiver.
+    HELLO: {
+        "role": (_STR, True),
+        "node": (_INT, True),
+        "pid": (_INT, True),
+        "rank": (_OPT_INT, False),
+        "world_size": (_INT, False),
+    },
+    HEARTBEAT: {},
+    REPLICATED: {"step": (_INT, True), "generation": (_OPT_INT, False)},
+    ERROR: {"reason": (_STR, False), "fatal": ((bool,), False)},
+    ACK: {"generation": (_INT, True)},
+    DONE: {"checkpoint_step": (_OPT_INT, False)},
+    SCALE: {"size": (_INT, True)},
+    EXITED: {
+        "identity": (_STR, True),
+        "pid": (_INT, False),
+        "code": (_INT, True),
+        "rank": (_OPT_INT, False),
+    },
+    GENERATION: {},
+    KILL: {"identity": (_STR, True), "pid": (_INT, True), "reason": (_STR, False)},
+    SPAWN_SPARE: {},
+    SHUTDOWN: {"reason": (_STR, False), "code": (_INT, False)},
+    INTERRUPT: {},
+    WELCOME: {"generation": (_INT, False), "store_port": (_INT, False)},
+}
+_MAX_ABS_INT = 2**62
+
+
+def _check_body(type_: str, body: dict) -> None:
+    for key in body:
+        if not isinstance(key, str):
+            raise Rejected(f"{type_} body has a non-string key")
+    for name, (types, required) in BODY_SCHEMA[type_].items():
+        if name not in body:
+            if required:
+                raise Rejected(f"{type_} body lacks {name!r}")
+            continue
+        value = body[name]
+        if isinstance(value, bool) and bool not in types:
+            raise Rejected(f"{type_} field {name!r} is a bool, expected {types[0].__name__}")
+        if not isinstance(value, types):
+            raise Rejected(
+                f"{type_} field {name!r} is a {type(value).__name__}, expected {types[0].__name__}"
+            )
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_ABS_INT:
+            raise Rejected(f"{type_} field {name!r} is out of range")
+
+
+class DropLog:
+    """Rate-limited logging of dropped messages: the first few in full, then a count per window.
+
+    A flood of forged frames must not fill the disk with log lines (each drop is still counted).
+
+    Args:
+        logger_: Where to log.
+        per_window: Lines logged in full per window.
+        window_s: The window.
+    """
+
+    def __init__(self, logger_: logging.Logger, per_window: int = 10, window_s: float = 10.0):
+        self._logger = logger_
+        self._per_window = per_window
+        self._window_s = window_s
+        self._window_start = 0.0
+        self._in_window = 0
+        self._suppressed = 0
+        self.total = 0
+
+    def drop(self, reason: str) -> bool:
+        """Count a drop; log it unless the window's quota is spent. Returns whether it logged."""
+        import time
+
+        self.total += 1
+        now = time.monotonic()
+        if now - self._window_start >= self._window_s:
+            if self._suppressed:
+                self._logger.warning(
+                    "%d more control messages dropped in the last %.0fs (not logged one by one)",
+                    self._suppressed,
+                    self._window_s,
+                )
+            self._window_start, self._in_window, self._suppressed = now, 0, 0
+        if self._in_window < self._per_window:
+            self._in_window += 1
+            self._logger.warning("dropped a control message: %s", reason)
+            return True
+        self._suppressed += 1
+        return False
+
+
+HANDSHAKE_MS = 5_000
+"""A connection that has not finished the ZMTP handshake by then is closed (libzmq: 30 s)."""
+
+
+def harden_socket(sock: Any) -> None:
+    """Bound what a peer can make ``sock`` hold: frame size, queue length, half-open connections.
+
+    A connection that never completes its handshake (a raw TCP socket, a half-sent greeting) is
+    closed after :data:`HANDSHAKE_MS`, so idle attackers do not hold descriptors for long.
+    """
+    import zmq
+
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit; returns the new soft limit.
+
+    A listener's connections each hold a descriptor: the higher the limit, the larger the flood
+    of idle connections it takes before a new, legitimate peer cannot connect.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d: %s", soft, e)
+    return soft
+
+
 class Rejected(ValueError):
     """A received message failed a check; ``reason`` says which."""
 
@@ -104,35 +254,65 @@ class Message:
     generation: int
     seq: int
     body: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
 
 
 def read_secret(path: str) -> bytes:
-    """Read a job secret, refusing a file others can read.
+    """Read a job secret, refusing a file others could have written or can read.
+
+    The file is opened without following a symlink, and must be a regular file owned by this
+    user with no group/other permission bits.
 
     Raises:
-        ValueError: missing, empty, or readable by group/others (the message says the fix).
+        ValueError: missing, a symlink, not a regular file, owned by another user, empty, or
+            readable by group/others (the message says the fix).
     """
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ValueError(f"secret file {path} does not exist") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(
-            f"secret file {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
-            f"run: chmod 600 {path}"
-        )
-    with open(path, "rb") as f:
-        secret = f.read().strip()
+    except OSError as e:
+        if os.path.islink(path):
+            raise ValueError(
+                f"secret file {path} is a symlink; refusing it (point --secret-file at the file)"
+            ) from None
+        raise ValueError(f"cannot open secret file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"secret file {path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise ValueError(
+                f"secret file {path} is owned by uid {st.st_uid}, not by this user "
+                f"({os.getuid()}); use a secret file of your own"
+            )
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(
+                f"secret file {path} is readable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"run: chmod 600 {path}"
+            )
+        secret = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
     if not secret:
         raise ValueError(f"secret file {path} is empty")
     return secret
 
 
 def write_secret(path: str) -> bytes:
-    """Create a new random job secret at ``path`` with mode 0600 and return it."""
+    """Create a new random job secret at ``path`` with mode 0600 and return it.
+
+    The file is created exclusively and never through a symlink: an existing file or a planted
+    link at ``path`` raises ``FileExistsError`` rather than being written through.
+    """
     secret = os.urandom(32).hex().encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(
+        path,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+        0o600,
+    )
     try:
+        os.fchmod(fd, 0o600)  # whatever the umask
         os.write(fd, secret)
     finally:
         os.close(fd)
@@ -153,7 +333,11 @@ class Codec:
         self.job_id = job_id
         self.sender = sender
         self._seq = 0
-        self._last_seen: dict[str, int] = {}
+        # This incarnation's epoch: strictly newer than any earlier process's of this sender.
+        self.epoch = time.time_ns()
+        # sender -> (epoch, last seq) of the newest incarnation seen.
+        self._last_seen: dict[str, tuple[int, int]] = {}
+        self.drops = DropLog(logger)
 
     def encode(self, type_: str, body: dict[str, Any] | None = None, generation: int = 0) -> list:
         """The frames of a message."""
@@ -167,6 +351,7 @@ class Codec:
                 "sender": self.sender,
                 "gen": generation,
                 "seq": self._seq,
+                "epoch": self.epoch,
                 "body": body or {},
             },
             use_bin_type=True,
@@ -199,28 +384,43 @@ class Codec:
         if not isinstance(doc, dict):
             raise Rejected("payload is not a map")
         if doc.get("v") != PROTOCOL_VERSION:
-            raise Rejected(f"unknown protocol version {doc.get('v')!r}")
+            raise Rejected(f"unknown protocol version {str(doc.get('v'))[:20]!r}")
         if doc.get("job") != self.job_id:
-            raise Rejected(f"message of another job {doc.get('job')!r}")
-        type_, sender, gen, seq, body = (
+            raise Rejected(f"message of another job {str(doc.get('job'))[:40]!r}")
+        type_, sender, gen, seq, epoch, body = (
             doc.get("type"),
             doc.get("sender"),
             doc.get("gen"),
             doc.get("seq"),
+            doc.get("epoch"),
             doc.get("body"),
         )
-        if type_ not in TYPES:
-            raise Rejected(f"unknown message type {type_!r}")
-        if not isinstance(sender, str) or not isinstance(body, dict):
-            raise Rejected("malformed sender or body")
-        if not isinstance(gen, int) or not isinstance(seq, int) or isinstance(seq, bool):
-            raise Rejected("malformed generation or sequence number")
+        # A type that is a list or a map is not hashable: check it is a string before the set.
+        if not isinstance(type_, str) or type_ not in TYPES:
+            raise Rejected(f"unknown message type {str(type_)[:40]!r}")
+        if not isinstance(sender, str) or not 0 < len(sender) <= MAX_IDENTITY_CHARS:
+            raise Rejected("malformed sender")
+        if not isinstance(body, dict):
+            raise Rejected("malformed body")
+        for name, value in (("generation", gen), ("sequence number", seq), ("epoch", epoch)):
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= _MAX_ABS_INT
+            ):
+                raise Rejected(f"malformed {name}")
+        _check_body(type_, body)
         if routing_id is not None and sender != routing_id:
             raise Rejected(f"sender {sender!r} does not match its connection {routing_id!r}")
-        if seq <= self._last_seen.get(sender, 0):
+        if type_ in (HELLO, SCALE) and abs(epoch - time.time_ns()) > FRESHNESS_S * 1e9:
+            raise Rejected(f"stale {type_} from {sender} (an old run's frame, or a clock off)")
+        last_epoch, last_seq = self._last_seen.get(sender, (-1, 0))
+        if epoch < last_epoch:
+            raise Rejected(f"message of an earlier incarnation of {sender}")
+        if epoch == last_epoch and seq <= last_seq:
             raise Rejected(f"replayed or reordered message from {sender} (seq {seq})")
-        self._last_seen[sender] = seq
-        return Message(type_, sender, gen, seq, body)
+        self._last_seen[sender] = (epoch, seq)
+        return Message(type_, sender, gen, seq, body, epoch)
 
     def drain(self, sock: Any, expect_sender: str = "coordinator") -> list[Message]:
         """Every message waiting on ``sock`` that authenticates and comes from ``expect_sender``.
@@ -238,13 +438,18 @@ class Codec:
             try:
                 msg = self.decode(frames)
             except Rejected as e:
-                logger.warning("dropped a control message: %s", e.reason)
+                self.drops.drop(e.reason)
                 continue
             if msg.sender != expect_sender:
-                logger.warning("dropped a message from %s (expected %s)", msg.sender, expect_sender)
+                self.drops.drop(f"a message from {msg.sender} (expected {expect_sender})")
                 continue
             out.append(msg)
 
     def forget(self, sender: str) -> None:
-        """Drop the replay state of a sender whose process is gone (a new one starts at 1)."""
-        self._last_seen.pop(sender, None)
+        """A sender's process is gone: its next incarnation may start again at sequence 1.
+
+        The incarnation's epoch is kept, so none of the gone process's frames counts again.
+        """
+        if sender in self._last_seen:
+            epoch, _ = self._last_seen[sender]
+            self._last_seen[sender] = (epoch + 1, 0)

@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, codec.sender.encode())
     sock.setsockopt(zmq.LINGER, 2000)
+    protocol.harden_socket(sock)
     try:
         sock.connect(f"tcp://{address}")
         sock.send_multipart(codec.encode(protocol.SCALE, {"size": args.to}))

@@ -8,8 +8,9 @@ which DCP does last, so a save cut short is never mistaken for a complete one.
 Beside the model and optimizer state (which DCP shards and reshards), every rank stores its
 RNG states, the LR scheduler and its extras (e.g. the data position) as one small msgpack
 document, in a tensor keyed by its rank, so loading a checkpoint puts the data position back
-with the weights. No pickle is read back: the per-rank document is msgpack bytes in a
-``uint8`` tensor.
+with the weights. The per-rank document is msgpack bytes in a ``uint8`` tensor. DCP itself
+reads its ``.metadata`` with pickle, so no pickle is read back from a checkpoint that a signed
+manifest (:mod:`recovery.manifest`) does not vouch for: the manifest is checked first.
 
 State-dict helpers run collectives: every call here is collective over the process group and
 belongs on the training thread, never on a background thread during recovery.
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from p2p_state.state import TrainingState
+from recovery import manifest
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +203,7 @@ class ColdCheckpointer:
             self._pending_step = step
         else:
             dcp.save(sd, checkpoint_id=self._path(step), process_group=self.group)
+            self._sign(step)
         logger.info("checkpoint of step %d %s", step, "started" if self._pending else "written")
 
     def wait(self) -> None:
@@ -209,6 +212,7 @@ class ColdCheckpointer:
             return
         try:
             self._pending.result(timeout=self.config.timeout_s)
+            self._sign(self._pending_step)
         except TimeoutError as e:
             raise TimeoutError(
                 f"the checkpoint of step {self._pending_step} did not finish writing within "
@@ -216,6 +220,11 @@ class ColdCheckpointer:
             ) from e
         finally:
             self._pending = None
+
+    def _sign(self, step: int) -> None:
+        if dist.get_rank(self.group) == 0:
+            fs, path = _fs(self._path(step))
+            manifest.sign_if_secret(fs, path)
 
     def abandon(self) -> None:
         """Stop waiting for a save in progress (after a fault: its group is being torn down).
@@ -246,13 +255,16 @@ class ColdCheckpointer:
                     f"no complete checkpoint under {self.config.root!r}: nothing to resume from; "
                     "check the path (CheckpointConfig.root / --resume) or start without resuming"
                 )
-            step = steps[-1]
+            # The newest checkpoint the job's secret vouches for (a save abandoned after a fault
+            # may be complete but unsigned); refused ones are logged with their reason.
+            step = manifest.latest_vouched(steps, lambda s: _fs(self._path(s)))
         elif step not in steps:
             raise CheckpointNotFoundError(
                 f"no complete checkpoint of step {step} under {self.config.root!r}; "
                 f"complete ones: {steps or 'none'}"
             )
         path = self._path(step)
+        manifest.verify_if_secret(*_fs(path), cached=True)  # before DCP unpickles .metadata
         meta = {"meta/world_size": torch.zeros(1, dtype=torch.int64)}
         dcp.load(meta, checkpoint_id=path, process_group=self.group)
         saved_world = int(meta["meta/world_size"].item())

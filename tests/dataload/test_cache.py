@@ -6,7 +6,6 @@ import hashlib
 import logging
 import threading
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,13 @@ import zmq
 
 from dataload.cache import CacheConfig, open_source, validate
 from dataload.loader import ResumableLoader
-from dataload.peer_fetch import PeerFetchError, SegmentServer, fetch_cache, pack_reply
+from dataload.peer_fetch import (
+    PeerFetchError,
+    SegmentServer,
+    fetch_cache,
+    pack_reply,
+    unpack_request,
+)
 from dataload.sources import JsonlTextSource, TokenFileSource
 from launcher.local import WorkerGroupConfig, run_local
 from tests.dataload import _workers
@@ -123,8 +128,8 @@ class _FlakyServer:
         while not self.stop.is_set():
             if not self.sock.poll(50):
                 continue
-            ident, _, req = self.sock.recv_multipart()
-            req = msgpack.unpackb(req)
+            ident, _, *frames = self.sock.recv_multipart()
+            req = unpack_request(SECRET, frames, self.cache.header.num_segments)
             if req.get("what") == "header":
                 reply = pack_reply(SECRET, {"what": "header"}, self.cache.header.encode())
             else:
@@ -179,8 +184,11 @@ def test_peer_with_another_dataset_or_secret_is_refused(tmp_path, tokens_file):
     try:
         with pytest.raises(PeerFetchError, match="another dataset"):
             fetch_cache(_cfg(tmp_path, "x"), server.address, SECRET, "other-fingerprint")
-        with pytest.raises(PeerFetchError, match="authentication"):
-            fetch_cache(_cfg(tmp_path, "y"), server.address, b"wrong", source.fingerprint)
+        with pytest.raises(PeerFetchError, match="no answer"):
+            fetch_cache(
+                _cfg(tmp_path, "y"), server.address, b"wrong", source.fingerprint, timeout_s=1
+            )
+        assert server.dropped == 1, "the server refused the request signed with another secret"
     finally:
         server.close()
 

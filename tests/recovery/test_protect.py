@@ -180,7 +180,14 @@ def test_no_spare_stops_with_a_checkpoint_that_a_resumed_job_continues_bitwise(
         tmp_path / "resumed",
         data_cache,
         spares=(0, 0),
-        launcher_args=("--checkpoint-dir", str(ckpt), "--resume"),
+        # The checkpoint is vouched for by the secret of the job that wrote it.
+        launcher_args=(
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--secret-file",
+            str(stopped.job.run_dir / "secret"),
+        ),
     )
     assert_bitwise(resumed, reference)
     for result in resumed.results.values():
