@@ -486,7 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.USAGE
-    except (TimeoutError, AgentError) as e:
+    except TimeoutError as e:  # the secret or the coordinator never came: the job never started
+        print(f"p2p-run: error: {e}", file=sys.stderr)
+        return Exit.NOT_JOINED
+    except AgentError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.FAILED
     except KeyboardInterrupt:
