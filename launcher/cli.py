@@ -344,6 +344,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         port = int(p)
     if port:
         with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
+            # As ZeroMQ binds: a previous run's connections in TIME_WAIT do not hold the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as e:

@@ -10,6 +10,7 @@ daemons it started, by their pid files.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _conf(root: Path, host: str, ports: list[int]) -> str:
+def _conf(root: Path, host: str, ports: list[int], first_job_id: int) -> str:
     ctld, slurmd, *node_ports = ports
     nodes = "\n".join(
         f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 "
@@ -46,6 +47,7 @@ def _conf(root: Path, host: str, ports: list[int]) -> str:
         for n, p in zip(NODES, node_ports)
     )
     return f"""ClusterName=p2ptest
+FirstJobId={first_job_id}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
@@ -168,7 +170,11 @@ def start(root: Path) -> Cluster:
     for sub in ("state", "log", "run", *(f"spool/{n}" for n in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root)
-    cluster.conf.write_text(_conf(root, socket.gethostname(), _free_ports(2 + len(NODES))))
+    # Job ids (and so the coordinator ports p2p-run derives from them) differ between runs.
+    first_job_id = random.randrange(1000, 1_000_000)
+    cluster.conf.write_text(
+        _conf(root, socket.gethostname(), _free_ports(2 + len(NODES)), first_job_id)
+    )
     try:
         subprocess.run(
             ["slurmctld", "-i", "-f", str(cluster.conf)],

@@ -22,6 +22,8 @@ _POLL_S = 0.05
 
 def attach(job: Any) -> None:
     """Add the gate hook to a protected job."""
+    import torch.distributed as dist
+
     import p2p_state
 
     gates = {int(k) for k in os.environ.get(ENV_GATES, "").split(",") if k}
@@ -37,7 +39,7 @@ def attach(job: Any) -> None:
         go = folder / f"go{step}"
         if go.exists():
             return
-        (folder / f"at{step}.r{os.environ.get('RANK', '?')}").touch()
+        (folder / f"at{step}.r{dist.get_rank()}").touch()  # a promoted spare's rank too
         deadline = time.monotonic() + timeout_s
         while not go.exists() and not session.interrupted and time.monotonic() < deadline:
             time.sleep(_POLL_S)

@@ -147,7 +147,15 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
     (ended,) = jobs.events(job_id, "job_ended")
     assert ended["code"] == 0, ended
     # Bitwise: the same world size throughout, so the same final state and data order.
-    diffs = bitwise_differences(_results(run_dir / "out"), _results(reference["run_dir"] / "out"))
+    got, want = _results(run_dir / "out"), _results(reference["run_dir"] / "out")
+    assert sorted(got.results) == [0, 1] and len(got.results[0]["steps"]) == STEPS
+    # Rank 0 lived through all three recoveries, each restored from peers, not a checkpoint.
+    assert [(r["generation"], r["source"]) for r in got.results[0]["recoveries"]] == [
+        (2, "peers"),
+        (3, "peers"),
+        (4, "peers"),
+    ]
+    diffs = bitwise_differences(got, want)
     assert not diffs, diffs
 
 
