@@ -248,3 +248,38 @@ def test_the_join_deadline_ends_once_every_node_is_there():
     m.tick(0.0)
     m.tick(1e6)
     assert not m.ended
+
+
+# -- the secret ---------------------------------------------------------------------------------
+
+
+def test_racing_creators_all_get_the_one_secret_linked_into_place(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from launcher import protocol, secret
+
+    path = tmp_path / "secret"
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: secret.create_once(path), range(16)))
+    assert len(set(got)) == 1 and got[0] == protocol.read_secret(str(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["secret"]  # no temp file left behind
+    assert secret.create_once(path) == got[0]  # an existing secret is kept
+
+
+def test_waiting_for_the_secret_ends_when_it_appears_or_with_one_line(tmp_path):
+    import threading
+
+    from launcher import secret
+
+    path = tmp_path / "secret"
+    with pytest.raises(TimeoutError) as e:
+        secret.wait_for(path, 0.3)
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message
+    assert "--join-timeout" in message and "--run-dir" in message and "--secret-file" in message
+    maker = threading.Timer(0.3, secret.create_once, [path])
+    maker.start()
+    try:
+        assert secret.wait_for(path, 30.0) == secret.create_once(path)
+    finally:
+        maker.join()
