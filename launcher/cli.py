@@ -16,7 +16,7 @@ Exit codes (how the job ended, as this node saw it):
   lost its coordinator); the line on stderr says which.
 - 2: a usage error (nothing was started).
 - 3: nodes did not join within ``--join-timeout``; the line names them.
-- 128 + N: this node was stopped by signal N (130: Ctrl-C, 143: SIGTERM, e.g. ``scancel``).
+- 128 + N: this node was stopped by signal N (130: Ctrl-C, 143: SIGTERM).
 """
 
 from __future__ import annotations
