@@ -22,8 +22,12 @@ from tests.slurm.conftest import Jobs, wait_for
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 STEPS = 10
-# Small and fast: one rank per node, quick heartbeats, the training's tiny preset.
-P2P_ARGS = "--nproc-per-node 1 --heartbeat-interval 0.2 --heartbeat-timeout 3 --join-timeout 60"
+# Small: one rank per node, the training's tiny preset. Heartbeat and acknowledgement deadlines
+# are generous: this machine's two cores are shared, and a false "lost" would add a generation.
+P2P_ARGS = (
+    "--nproc-per-node 1 --heartbeat-interval 0.5 --heartbeat-timeout 8 --ack-timeout 30 "
+    "--join-timeout 60"
+)
 
 
 def _results(out: Path) -> SimpleNamespace:
@@ -86,6 +90,10 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
     run_dir = jobs.run_dir(job_id)
     gates = run_dir / "gates"
 
+    def story() -> list:  # the membership decisions, for a failure's message
+        keep = {"fault", "generation_started", "spare_assigned", "stragglers", "job_ended"}
+        return [e for e in jobs.events(job_id) if e.get("event") in keep]
+
     def release(step: int) -> None:
         jobs.wait_event(job_id, "generation_started")  # the job runs
         wait_for(
@@ -103,8 +111,8 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
     release(2)
     os.kill(rank1["pid"], signal.SIGKILL)
     jobs.wait_event(job_id, "generation_complete", generation=2)
-    (assigned,) = jobs.events(job_id, "spare_assigned", rank=1)
-    assert assigned["identity"].startswith("spare/1/"), assigned
+    assigned = jobs.events(job_id, "spare_assigned", rank=1)[-1]
+    assert assigned["identity"].startswith("spare/1/"), story()
 
     # 2. a replacement node joins the running job on the allocation's third node.
     adder = jobs.popen(
@@ -127,7 +135,7 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
     jobs.wait_event(job_id, "generation_complete", generation=3)
     assert jobs.events(job_id, "fault", identity="agent/1")
     assigned = jobs.events(job_id, "spare_assigned", rank=1)[-1]
-    assert assigned["identity"].startswith("spare/2/"), assigned
+    assert assigned["identity"].startswith("spare/2/"), story()
 
     # 4. the new node marked down: its rank goes to node 0's spare.
     release(6)
@@ -135,7 +143,7 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
     jobs.wait_event(job_id, "generation_complete", generation=4)
     assert jobs.events(job_id, "fault", identity="agent/2")
     assigned = jobs.events(job_id, "spare_assigned", rank=1)[-1]
-    assert assigned["identity"].startswith("spare/0/"), assigned
+    assert assigned["identity"].startswith("spare/0/"), story()
 
     info = jobs.wait_done(job_id)
     # The added node's srun saw its node fail (--no-kill) and exits 0: that step does not fail.
@@ -146,7 +154,7 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
     assert info["JobState"] == "COMPLETED", output
     assert info["ExitCode"] == "0:0", output
     (ended,) = jobs.events(job_id, "job_ended")
-    assert ended["code"] == 0, ended
+    assert ended["code"] == 0, story()
     # Bitwise: the same world size throughout, so the same final state and data order.
     got, want = _results(run_dir / "out"), _results(reference["run_dir"] / "out")
     assert sorted(got.results) == [0, 1] and len(got.results[0]["steps"]) == STEPS
@@ -155,7 +163,7 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
         (2, "peers"),
         (3, "peers"),
         (4, "peers"),
-    ]
+    ], story()
     diffs = bitwise_differences(got, want)
     assert not diffs, diffs
 
