@@ -11,7 +11,9 @@ one line on stderr and a non-zero exit code, never a traceback.
 
 Exit codes (how the job ended, as this node saw it):
 
-- 0: the job finished: every rank completed its training, whatever happened to lost nodes.
+- 0: the job finished: every rank completed its training, whatever happened to lost nodes; or
+  this node was declared lost while it still ran (a hang, a partition) and the job went on
+  without it (the line on stderr says so), which is no failure of this node's Slurm step.
 - 1: the job ended without finishing (stopped with a checkpoint, a fatal error, or this node
   lost its coordinator); the line on stderr says which.
 - 2: a usage error (nothing was started).
@@ -35,6 +37,7 @@ from launcher import protocol, slurm
 from launcher import secret as secret_file
 from launcher.agent import AgentConfig, AgentError, _die_with_parent, run_agent
 from launcher.coordinator import COORDINATOR_FILE
+from launcher.events import read_events
 from launcher.membership import JOIN_FAILED
 
 #: How long node 0 waits for its coordinator to listen.
@@ -427,6 +430,25 @@ def _report_end(code: int, reason: str) -> None:
         print(f"p2p-run: the job failed: {reason}", file=sys.stderr)
 
 
+def dropped_from_job(events: list[dict], node_rank: int) -> str | None:
+    """Why the coordinator declared this node lost, if it did (the job then went on without it).
+
+    Args:
+        events: The job's event log (the coordinator's records are in it).
+        node_rank: This node's rank.
+    """
+    identity = f"agent/{node_rank}"
+    reason = None
+    for e in events:
+        if e.get("identity") != identity or e.get("source") != "coordinator":
+            continue
+        if e.get("event") == "hello":
+            reason = None  # a run directory used again: only this node's last run counts
+        elif e.get("event") == "fault":
+            reason = str(e.get("reason"))
+    return reason
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``p2p-run`` console script (``p2p-run scale ...`` resizes a job)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -435,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return scale_main(argv[1:])
     coordinator = None
+    run_dir: Path | None = None
     try:
         args = build_parser().parse_args(argv)
         resolved = _resolve(args, os.environ)
@@ -492,6 +515,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.NOT_JOINED
     except AgentError as e:
+        # A node the coordinator declared lost hears no more from it. If the shared event log
+        # says so, the job went on without this node: it was a fault of the job's, recovered,
+        # not a failure of this node's task.
+        reason = dropped_from_job(read_events(run_dir), args.node_rank) if run_dir else None
+        if reason is not None:
+            print(
+                f"p2p-run: this node was declared lost ({reason}); the job went on without it",
+                file=sys.stderr,
+            )
+            return Exit.FINISHED
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.FAILED
     except KeyboardInterrupt:

@@ -283,3 +283,15 @@ def test_waiting_for_the_secret_ends_when_it_appears_or_with_one_line(tmp_path):
         assert secret.wait_for(path, 30.0) == secret.create_once(path)
     finally:
         maker.join()
+
+
+def test_a_node_declared_lost_while_it_ran_is_told_the_job_went_on():
+    def ev(event, identity, **f):
+        return {"event": event, "identity": identity, "source": "coordinator", **f}
+
+    log = [ev("hello", "agent/0"), ev("hello", "agent/1"), ev("fault", "agent/1", reason="r")]
+    assert cli.dropped_from_job(log, 1) == "r"
+    assert cli.dropped_from_job(log, 0) is None
+    # Another process's record, or a fault from an earlier run of the same run directory.
+    assert cli.dropped_from_job([{**log[2], "source": "agent/1"}], 1) is None
+    assert cli.dropped_from_job([*log, ev("hello", "agent/1")], 1) is None
