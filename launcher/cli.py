@@ -5,26 +5,65 @@
 The process with node rank 0 starts the job's coordinator (its own process, so it outlives any
 rank) unless ``--coordinator`` names one that runs elsewhere; every ``p2p-run`` then runs its
 node's agent. Several ``p2p-run`` processes on one machine with different ``--node-rank`` form
-one job: that is how multi-node runs are tested on one host. User mistakes end with one line on
-stderr and a non-zero exit code, never a traceback.
+one job: that is how multi-node runs are tested on one host. Inside a Slurm allocation the job's
+shape comes from ``SLURM_*`` (:mod:`launcher.slurm`; any flag given wins). User mistakes end with
+one line on stderr and a non-zero exit code, never a traceback.
+
+Exit codes (how the job ended, as this node saw it):
+
+- 0: the job finished: every rank completed its training, whatever happened to lost nodes; or
+  this node was declared lost while it still ran (a hang, a partition) and the job went on
+  without it (the line on stderr says so), which is no failure of this node's Slurm step.
+- 1: the job ended without finishing (stopped with a checkpoint, a fatal error, or this node
+  lost its coordinator); the line on stderr says which.
+- 2: a usage error (nothing was started).
+- 3: nodes did not join within ``--join-timeout``; the line names them.
+- 128 + N: this node was stopped by signal N (130: Ctrl-C, 143: SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+from enum import IntEnum
 from pathlib import Path
 
-from launcher import protocol
+from launcher import protocol, slurm
+from launcher import secret as secret_file
 from launcher.agent import AgentConfig, AgentError, _die_with_parent, run_agent
 from launcher.coordinator import COORDINATOR_FILE
+from launcher.events import read_events
+from launcher.membership import JOIN_FAILED
 
 #: How long node 0 waits for its coordinator to listen.
 _COORDINATOR_START_S = 60.0
+
+
+class Exit(IntEnum):
+    """``p2p-run``'s exit codes (128 + N when a signal N stopped it)."""
+
+    FINISHED = 0
+    FAILED = 1
+    USAGE = 2
+    NOT_JOINED = JOIN_FAILED
+
+
+def describe_exit(code: int) -> str:
+    """What a ``p2p-run`` exit code says about the job (for people and batch scripts)."""
+    if code == Exit.FINISHED:
+        return "the job finished"
+    if code == Exit.USAGE:
+        return "usage error: nothing was started"
+    if code == Exit.NOT_JOINED:
+        return "nodes did not join within --join-timeout: the job never started"
+    if code > 128:
+        return f"this node was stopped by signal {code - 128}"
+    return "the job ended without finishing (stopped with a checkpoint, or failed)"
 
 
 class UsageError(Exception):
@@ -39,21 +78,55 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The flags (torchrun's names where they mean the same thing)."""
     p = _Parser(prog="p2p-run", description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    # Flags that Slurm can also give default to None: "not given" must be told apart.
+    p.add_argument(
+        "--nnodes",
+        default=None,
+        help="number of nodes, or MIN:MAX (start with MIN, nodes up to MAX may join) "
+        "(default: SLURM_JOB_NUM_NODES, else 1)",
+    )
     p.add_argument(
         "--nproc-per-node",
         "--nproc_per_node",
         type=int,
-        default=1,
-        help="rank processes per node (default 1)",
+        default=None,
+        help="rank processes per node (default: SLURM_GPUS_ON_NODE less --spares, else 1)",
     )
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank")
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=None,
+        help="this node's rank (default: its place in SLURM_JOB_NODELIST, else 0)",
+    )
     p.add_argument(
         "--coordinator",
         default=None,
-        help="host:port of the coordinator; node 0 starts one there (port 0: any)",
+        help="host:port of the coordinator; node 0 starts one there (port 0: any) "
+        "(default: the first host of SLURM_JOB_NODELIST, port from the job id)",
     )
-    p.add_argument("--spares", type=int, default=0, help="hot spare processes on this node")
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        help="torchrun's name for --coordinator",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="start-up deadline: nodes that have not joined by then end the job, and a node "
+        "that cannot reach the coordinator or the secret gives up, seconds (default 300)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings and where each came from (flag, SLURM_*, default), "
+        "then exit",
+    )
+    p.add_argument(
+        "--spares", type=int, default=None, help="hot spare processes on this node (default 0)"
+    )
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
     p.add_argument(
         "--heartbeat-timeout",
@@ -92,9 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-dir",
         default=None,
-        help="directory for the event log, secret and coordinator address (default runs/<job-id>)",
+        help="directory for the event log, secret and coordinator address, shared by every "
+        "node (default runs/<job-id>)",
     )
-    p.add_argument("--job-id", "--rdzv-id", default="p2p-job", help="job name (default p2p-job)")
+    p.add_argument(
+        "--job-id",
+        "--rdzv-id",
+        "--rdzv_id",
+        default=None,
+        help="job name (default: SLURM_JOB_ID, else p2p-job)",
+    )
     p.add_argument(
         "--replicas", type=int, default=1, help="replication factor k of the data plane (default 1)"
     )
@@ -148,15 +228,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--secret-file",
         default=None,
-        help="per-job secret (mode 0600); node 0 creates <run-dir>/secret if absent",
+        help="per-job secret (mode 0600); by default node 0 creates <run-dir>/secret once and "
+        "the other nodes wait for it (at most --join-timeout)",
     )
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
-    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script", nargs="?", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
 
 
+def _resolve(args: argparse.Namespace, environ) -> slurm.Resolved:
+    """Fill the job's shape from the flags, then ``SLURM_*``, then the defaults."""
+    flags = slurm.Flags(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        nproc_per_node=args.nproc_per_node,
+        coordinator=args.coordinator,
+        rdzv_endpoint=args.rdzv_endpoint,
+        job_id=args.job_id,
+        run_dir=args.run_dir,
+        max_ranks=args.max_ranks,
+        spares=args.spares or 0,
+    )
+    lookup = slurm.node_address if slurm.SLURM_JOB_ID in environ else (lambda name: name)
+    try:
+        resolved = slurm.resolve(flags, environ, lookup)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.nnodes, args.node_rank = resolved.nnodes, resolved.node_rank
+    args.nproc_per_node, args.coordinator = resolved.nproc_per_node, resolved.coordinator
+    args.job_id, args.run_dir, args.max_ranks = (
+        resolved.job_id,
+        resolved.run_dir,
+        resolved.max_ranks,
+    )
+    resolved.sources["spares"] = slurm.DEFAULT if args.spares is None else slurm.FLAG
+    args.spares = args.spares or 0
+    return resolved
+
+
 def _validate(args: argparse.Namespace) -> None:
+    if args.join_timeout <= 0:
+        raise UsageError("--join-timeout must be > 0 seconds")
+    if args.script is None and not args.print_config:
+        raise UsageError("no training script given (p2p-run [flags] train.py [args])")
     if args.nnodes < 1 or args.nproc_per_node < 1:
         raise UsageError("--nnodes and --nproc-per-node must be >= 1")
     world = args.nnodes * args.nproc_per_node
@@ -200,7 +315,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(
             "--coordinator-timeout must be more than 1 s (the coordinator beats at 2 Hz)"
         )
-    if not args.module and not Path(args.script).is_file():
+    if not args.print_config and not args.module and not Path(args.script).is_file():
         raise UsageError(f"script {args.script} does not exist")
     if args.node_rank > 0 and not args.coordinator:
         raise UsageError("nodes other than 0 need --coordinator host:port (node 0's address)")
@@ -211,17 +326,18 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _secret_file(args: argparse.Namespace, run_dir: Path) -> str:
-    if args.secret_file:
-        path = args.secret_file
-    else:
-        path = str(run_dir / "secret")
-        if args.node_rank == 0 and not Path(path).exists():
-            protocol.write_secret(path)
+    """The job's secret: the one given, or ``<run-dir>/secret`` made once by node 0."""
+    path = Path(args.secret_file) if args.secret_file else run_dir / secret_file.SECRET_FILE
     try:
-        protocol.read_secret(path)
+        if args.secret_file:
+            protocol.read_secret(str(path))
+        elif args.node_rank == 0:
+            secret_file.create_once(path)
+        else:
+            secret_file.wait_for(path, args.join_timeout)
     except ValueError as e:
         raise UsageError(f"{e} (--secret-file)") from None
-    return path
+    return str(path)
 
 
 def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> tuple:
@@ -231,6 +347,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         port = int(p)
     if port:
         with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
+            # As ZeroMQ binds: a previous run's connections in TIME_WAIT do not hold the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as e:
@@ -275,6 +393,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         str(args.scale_up_delay),
         "--graceful-timeout",
         str(args.graceful_timeout),
+        "--join-timeout",
+        str(args.join_timeout),
     ]
     if args.allowed_sizes:
         cmd += ["--allowed-sizes", ",".join(map(str, args.allowed_sizes))]
@@ -310,6 +430,25 @@ def _report_end(code: int, reason: str) -> None:
         print(f"p2p-run: the job failed: {reason}", file=sys.stderr)
 
 
+def dropped_from_job(events: list[dict], node_rank: int) -> str | None:
+    """Why the coordinator declared this node lost, if it did (the job then went on without it).
+
+    Args:
+        events: The job's event log (the coordinator's records are in it).
+        node_rank: This node's rank.
+    """
+    identity = f"agent/{node_rank}"
+    reason = None
+    for e in events:
+        if e.get("identity") != identity or e.get("source") != "coordinator":
+            continue
+        if e.get("event") == "hello":
+            reason = None  # a run directory used again: only this node's last run counts
+        elif e.get("event") == "fault":
+            reason = str(e.get("reason"))
+    return reason
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``p2p-run`` console script (``p2p-run scale ...`` resizes a job)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -318,9 +457,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return scale_main(argv[1:])
     coordinator = None
+    run_dir: Path | None = None
     try:
         args = build_parser().parse_args(argv)
+        resolved = _resolve(args, os.environ)
         _validate(args)
+        if args.print_config:
+            print(
+                slurm.format_config(
+                    resolved,
+                    {
+                        "spares": (args.spares, resolved.sources["spares"]),
+                        "join_timeout_s": (args.join_timeout, "--join-timeout"),
+                    },
+                )
+            )
+            return Exit.FINISHED
         run_dir = Path(args.run_dir or Path("runs") / args.job_id).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         secret = _secret_file(args, run_dir)
@@ -345,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir=str(run_dir),
                 heartbeat_interval_s=args.heartbeat_interval,
                 coordinator_timeout_s=args.coordinator_timeout,
+                welcome_timeout_s=args.join_timeout,
                 extra_env=_engine_env(args),
             ),
             on_end=_report_end,
@@ -357,10 +510,23 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except UsageError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
-        return 2
-    except (TimeoutError, AgentError) as e:
+        return Exit.USAGE
+    except TimeoutError as e:  # the secret or the coordinator never came: the job never started
         print(f"p2p-run: error: {e}", file=sys.stderr)
-        return 1
+        return Exit.NOT_JOINED
+    except AgentError as e:
+        # A node the coordinator declared lost hears no more from it. If the shared event log
+        # says so, the job went on without this node: it was a fault of the job's, recovered,
+        # not a failure of this node's task.
+        reason = dropped_from_job(read_events(run_dir), args.node_rank) if run_dir else None
+        if reason is not None:
+            print(
+                f"p2p-run: this node was declared lost ({reason}); the job went on without it",
+                file=sys.stderr,
+            )
+            return Exit.FINISHED
+        print(f"p2p-run: error: {e}", file=sys.stderr)
+        return Exit.FAILED
     except KeyboardInterrupt:
         return 130
     finally:

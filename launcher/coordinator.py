@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allowed-sizes", default=None)
     p.add_argument("--scale-up-delay", type=float, default=30.0)
     p.add_argument("--graceful-timeout", type=float, default=60.0)
+    p.add_argument("--join-timeout", type=float, default=None)
     p.add_argument("--no-store", action="store_true", help="do not host a TCPStore (no torch)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_restarts=args.max_restarts,
                 replicas=args.replicas,
                 elastic=_elastic(args),
+                join_timeout_s=args.join_timeout,
             ),
         )
     )

@@ -88,6 +88,10 @@ class MembershipConfig:
     since the previous one): one more fault then stops the job with a checkpoint instead. A
     fault that repeats on every recovery (a rank that cannot restore) ends instead of using up
     spares forever, while a long job survives any number of unrelated faults."""
+    join_timeout_s: float | None = None
+    """Start-up deadline: when the agent of a node the job starts with has not said hello
+    this long after the coordinator's first tick, the job ends (code ``JOIN_FAILED``) naming
+    those nodes. ``None``: wait for them forever."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1:
@@ -100,6 +104,8 @@ class MembershipConfig:
                 f"MembershipConfig.replicas={self.replicas} must be >= 1 and below the world "
                 f"size {self.world_size}"
             )
+        if self.join_timeout_s is not None and self.join_timeout_s <= 0:
+            raise ValueError(f"MembershipConfig.join_timeout_s={self.join_timeout_s} must be > 0")
         for name in ("heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MembershipConfig.{name} must be > 0")
@@ -127,6 +133,10 @@ class MembershipConfig:
             max_ranks=self.world_size,
             scale_down_wait_s=self.spare_wait_s,
         )
+
+
+#: The end code of a job whose nodes did not all join within ``join_timeout_s``.
+JOIN_FAILED = 3
 
 
 class Membership:
@@ -186,6 +196,9 @@ class Membership:
         """Generations started for faults since the committed step last advanced past
         ``restart_mark`` (the committed step the latest of them restored)."""
         self.restart_mark = -1
+        self.agents_seen: set[int] = set()
+        """Nodes whose agent said hello (the start-up deadline waits for those of the start)."""
+        self.join_deadline: float | None = None
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -212,6 +225,8 @@ class Membership:
         out: list[Any] = []
         self.procs[proc.identity] = proc
         self.last_seen[proc.identity] = now
+        if proc.role == "agent":
+            self.agents_seen.add(proc.node)
         if proc.role == "rank" and rank is not None and self.generation == 0:
             if not 0 <= rank < self.world_size or rank in self.ranks:
                 out.append(Event("rejected_rank", {"identity": proc.identity, "rank": rank}))
@@ -320,7 +335,7 @@ class Membership:
 
     def tick(self, now: float) -> list[Any]:
         """Check every deadline: heartbeats, acknowledgements, leavers, the policy's timers."""
-        out: list[Any] = []
+        out: list[Any] = self._check_join(now)
         timeout = self.config.heartbeat_timeout_s
         for identity, seen in sorted(self.last_seen.items()):
             if now - seen > timeout and identity in self.procs:
@@ -354,6 +369,29 @@ class Membership:
                 1, f"{self.stopping.reason} (the stop checkpoint did not finish in time)"
             )
         return out
+
+    def missing_nodes(self) -> list[int]:
+        """Nodes of the start whose agent has not said hello yet."""
+        nnodes = self.config.world_size // self.config.ranks_per_node
+        return [n for n in range(nnodes) if n not in self.agents_seen]
+
+    def _check_join(self, now: float) -> list[Any]:
+        if self.config.join_timeout_s is None or self.ended or self.join_deadline == float("inf"):
+            return []
+        if self.join_deadline is None:
+            self.join_deadline = now + self.config.join_timeout_s
+        missing = self.missing_nodes()
+        if not missing:
+            self.join_deadline = float("inf")  # everyone arrived: the deadline is over
+            return []
+        if now <= self.join_deadline:
+            return []
+        return self._end(
+            JOIN_FAILED,
+            f"node(s) {missing} did not join within {self.config.join_timeout_s:.0f}s "
+            "(--join-timeout): they were never started, or cannot reach the coordinator or "
+            "the run directory",
+        )
 
     def end(self, code: int, reason: str) -> list[Any]:
         """End the job (a fatal report from a rank); nothing happens if it already ended."""

@@ -151,3 +151,19 @@ def test_a_plain_torch_script_runs_as_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr
     outs = sorted((tmp_path / f"out{i}").read_text() for i in range(2))
     assert outs == ["0 2 0 3.0", "1 2 1 3.0"]
+
+
+def test_a_node_declared_lost_while_it_ran_leaves_with_code_0_and_the_job_goes_on(start_job):
+    job = start_job(spares=(1, 1), launcher_args=["--coordinator-timeout", "3"])
+    job.wait_event("generation_complete", generation=1)
+    node1 = job.nodes[1]
+    node1.send_signal(signal.SIGSTOP)  # the node hangs: its agent falls silent
+    try:
+        job.wait_event("fault", identity="agent/1")
+        job.wait_event("generation_complete", generation=2)
+    finally:
+        node1.send_signal(signal.SIGCONT)
+    assert node1.wait(timeout=60) == 0
+    log = (job.run_dir / "p2p-run-1.log").read_text()
+    assert "this node was declared lost" in log and "the job went on without it" in log
+    assert job.stop() == [0, 0]
