@@ -9,6 +9,7 @@ other node waits for that file with a deadline. The secret's format and checks a
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -25,7 +26,8 @@ def create_once(path: Path) -> bytes:
         ValueError: the file there is not a usable secret (the message says why).
     """
     if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # A name of this creator alone (threads share a pid): write_secret creates exclusively.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
         try:
             protocol.write_secret(str(tmp))
             try:

@@ -112,7 +112,12 @@ def test_a_worker_that_does_not_stop_is_left_with_where_it_is_stuck(caplog):
         release.wait(30)
 
     rep = Replicator.__new__(Replicator)  # only the worker's bookkeeping is exercised
-    rep.rank, rep._fence_handle, rep._queue = 3, None, queue.Queue()
+    rep.rank, rep._fence_handle, rep._forward_fence_handle, rep._queue = (
+        3,
+        None,
+        None,
+        queue.Queue(),
+    )
     rep._left_behind = False
     rep._worker = threading.Thread(target=stuck_in_a_collective, daemon=True)
     rep._worker.start()

@@ -26,7 +26,7 @@ class _StuckThread:
 def _replicator_with(worker: _StuckThread) -> Replicator:
     rep = object.__new__(Replicator)  # only the stopping machinery is under test
     rep.rank = 0
-    rep._fence_handle = None
+    rep._fence_handle = rep._forward_fence_handle = None
     rep._lock = threading.Lock()
     rep._failure = None
     rep._queue = queue.Queue()
