@@ -51,7 +51,14 @@ def _dcp_reference(tmp_path, cache, *, steps, switch_at, before, after):
         nnodes=after[0],
         nproc_per_node=after[1],
         spares=(0,) * after[0],
-        launcher_args=("--checkpoint-dir", str(only), "--resume"),
+        # The checkpoint is vouched for by the secret of the job that wrote it.
+        launcher_args=(
+            "--checkpoint-dir",
+            str(only),
+            "--resume",
+            "--secret-file",
+            str(first.job.run_dir / "secret"),
+        ),
     )
     assert second.codes == [0] * after[0], second.job.output(0)[-2000:]
     return first, second
