@@ -53,6 +53,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.hostile_bench",
         "the coordinator under floods, forgeries, replays and squatters: crashes, RSS, lock-outs",
     ),
+    "scale-report": (
+        "bench.scale_report",
+        "modelled recovery time, goodput and memory at 256-16,384 GPUs, validated on this machine",
+    ),
 }
 
 
