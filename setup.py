@@ -17,6 +17,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["p2p_state*", "recovery*", "dataload*", "launcher*", "bench*"]),
+    package_data={"bench": ["data/*.json"]},
     install_requires=[
         "torch>=2.6",
         "pyzmq>=25",
