@@ -1,0 +1,171 @@
+"""The scale model's formulas: units, monotonicity, copy loss and the sensitivity analysis."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench import scale_goodput as gp
+from bench import scale_model as sm
+from bench.scale_model import Input, Job
+
+
+def _inputs(**over: float) -> sm.Inputs:
+    hw = sm.load("hardware")["h100-ib400"]
+    inp = sm.job_inputs(
+        params=70.6e9, tokens_per_step=4194304, model_source="test preset", hardware=hw
+    )
+    for name, v in (("exit_detect_s", 0.05), ("generation_s", 0.1), ("hang_detect_s", 3.3)):
+        inp[name] = Input(v, "s", "measured", "test", v / 2, v * 2)
+    for name, v in over.items():
+        inp = sm.with_value(inp, name, v)
+    return inp
+
+
+def test_units_of_state_step_and_load():
+    inp = _inputs()
+    assert sm.state_bytes_per_gpu(inp, 2048) == pytest.approx(70.6e9 * 12 / 2048)
+    assert sm.state_bytes_per_gpu(inp, 2048, shard_degree=256) == pytest.approx(70.6e9 * 12 / 256)
+    # 6 * N * tokens / (gpus * peak * MFU): 70.6e9 params, 4M tokens, 2,048 H100s at 40 %.
+    expected = 6 * 70.6e9 * 4194304 / (2048 * 989e12 * 0.40)
+    assert sm.step_time_s(inp, 2048) == pytest.approx(expected)
+    assert 1.0 < expected < 5.0
+    # 847 GB over 2 TB/s.
+    assert sm.checkpoint_load_s(inp, Job()) == pytest.approx(70.6e9 * 12 / 2000e9)
+    s3 = sm.checkpoint_load_s(inp, Job(storage="s3"))
+    assert s3 == pytest.approx(70.6e9 * 12 / (256 * 12.5e9))
+
+
+def test_transfer_is_bytes_over_bandwidth_and_host_copies_are_pcie_bound():
+    inp = _inputs(ib_gbps=50, pcie_gbps=20)
+    s = sm.state_bytes_per_gpu(inp, 2048)
+    gpu = sm.recovery_phases(inp, Job())
+    host = sm.recovery_phases(inp, Job(replica_memory="host"))
+    assert gpu["transfer"] == pytest.approx(s / 50e9)
+    assert host["transfer"] == pytest.approx(s / 20e9)
+    assert list(gpu) == list(sm.RECOVERY_PHASES)
+
+
+def test_a_node_fault_waits_for_the_heartbeat_timeout():
+    inp = _inputs()
+    assert sm.recovery_phases(inp, Job(), node_fault=True)["detect"] == 3.3
+    assert sm.recovery_phases(inp, Job())["detect"] == 0.05
+
+
+def test_input_needs_a_known_label_and_a_source():
+    with pytest.raises(ValueError):
+        Input(1.0, "s", "guessed", "somewhere")
+    with pytest.raises(ValueError):
+        Input(1.0, "s", "cited", "")
+
+
+def test_series_interpolates_in_log_ranks_and_says_when_it_extrapolates():
+    pts = {256: 1.0, 1024: 3.0, 2048: 5.0}
+    assert sm.series(pts, 1024) == (3.0, "at")
+    v, how = sm.series(pts, 512)
+    assert v == pytest.approx(2.0) and how.startswith("interpolated")
+    v, how = sm.series(pts, 4096)
+    assert v == pytest.approx(5.0 + 2.0 / 1024 * 2048) and how.startswith("extrapolated")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.floats(5, 100),
+    st.floats(1.05, 4.0),
+    st.floats(1e9, 5e11),
+    st.sampled_from([256, 1024, 2048, 16384]),
+)
+def test_recovery_grows_with_state_and_shrinks_with_bandwidth(ib, factor, params, gpus):
+    slow, fast = _inputs(ib_gbps=ib, params=params), _inputs(ib_gbps=ib * factor, params=params)
+    job = Job(gpus=gpus)
+    assert sum(sm.recovery_phases(fast, job).values()) <= sum(
+        sm.recovery_phases(slow, job).values()
+    )
+    bigger = _inputs(ib_gbps=ib, params=params * factor)
+    assert sm.recovery_phases(bigger, job)["transfer"] > sm.recovery_phases(slow, job)["transfer"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(1, 600), st.floats(1.01, 4), st.sampled_from([256, 2048, 16384]))
+def test_restart_downtime_grows_with_the_checkpoint_interval(minutes, factor, gpus):
+    inp = _inputs()
+    short = sum(sm.restart_phases(inp, Job(gpus=gpus, checkpoint_every_min=minutes)).values())
+    long = sum(
+        sm.restart_phases(inp, Job(gpus=gpus, checkpoint_every_min=minutes * factor)).values()
+    )
+    assert long > short
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(1, 600), st.floats(1.01, 10), st.integers(1, 3))
+def test_copy_loss_grows_with_the_window_and_falls_with_k(window, factor, k):
+    inp = _inputs()
+    job = Job(replicas=k)
+    a = gp.copies_lost_fraction_analytic(inp, job, window, "ring")
+    assert gp.copies_lost_fraction_analytic(inp, job, window * factor, "ring") > a
+    more = Job(replicas=k + 1)
+    assert gp.copies_lost_fraction_analytic(inp, more, window, "ring") < a
+
+
+def test_copies_lost_needs_the_shard_and_all_its_holders():
+    job = Job(gpus=32, gpus_per_node=8, replicas=1)
+    assert gp.copies_lost({(0, 0), (1, 0)}, job, "ring")
+    assert not gp.copies_lost({(0, 0), (1, 1)}, job, "ring")
+    assert gp.copies_lost({(3, 2), (0, 2)}, job, "ring")  # the ring wraps
+    k2 = Job(gpus=32, gpus_per_node=8, replicas=2)
+    assert not gp.copies_lost({(0, 0), (1, 0)}, k2, "ring")
+    assert gp.copies_lost({(0, 0), (1, 0), (2, 0)}, k2, "ring")
+    node = {(0, i) for i in range(8)}
+    assert gp.copies_lost(node, job, "same-node")
+    assert not gp.copies_lost(node, job, "ring")
+
+
+def test_monte_carlo_counts_faults_and_cold_fallbacks():
+    inp = _inputs(node_level_fraction=1.0)
+    job = Job(gpus=64, gpus_per_node=8)
+    same = gp.simulate(
+        inp, job, recovery_gpu_s=1, recovery_node_s=2, cold_s=100, window_s=1,
+        placement="same-node", trials=200, days=30,
+    )  # fmt: skip
+    # Every fault takes a node and its same-node copies: each one is a cold fallback.
+    expected = gp.fault_rate_per_s(inp, 64) * 30 * 86400
+    assert same["faults_per_period"] == pytest.approx(expected, rel=0.2)
+    assert same["cold_fallbacks_per_period"] == pytest.approx(
+        same["faults_per_period"] - same["double_fault_incidents_per_period"], rel=0.05
+    )
+    ring = gp.simulate(
+        inp, job, recovery_gpu_s=1, recovery_node_s=2, cold_s=100, window_s=1,
+        placement="ring", trials=200, days=30,
+    )  # fmt: skip
+    assert ring["cold_fallbacks_per_period"] == 0
+    assert ring["downtime_per_period_s"] == pytest.approx(2 * ring["faults_per_period"], rel=0.01)
+
+
+def test_goodput_falls_with_downtime_and_overhead():
+    assert gp.goodput(0, 0) == 1.0
+    assert gp.goodput(86400, 0) == pytest.approx(1 - 1 / 30)
+    assert gp.goodput(86400, 0.01) < gp.goodput(86400, 0)
+
+
+def test_sensitivity_is_sorted_and_the_range_holds_the_base():
+    inp = _inputs()
+    job = Job()
+    fn = lambda i: sum(sm.recovery_phases(i, job).values())  # noqa: E731
+    rows = sm.sensitivity(inp, fn)
+    assert rows and all(a["swing"] >= b["swing"] for a, b in itertools.pairwise(rows))
+    lo, hi = sm.uncertainty(fn(inp), rows)
+    assert lo <= fn(inp) <= hi and not math.isnan(lo)
+
+
+def test_memory_says_what_does_not_fit_and_the_fix():
+    inp = _inputs(params=405.9e9)
+    small = sm.memory(inp, Job(gpus=64, replicas=2))
+    assert not small["fits_gpu"] and small["fix"]
+    fits = sm.memory(_inputs(), Job(gpus=2048, replicas=1))
+    assert fits["fits_gpu"] and fits["fix"] is None
+    gib = 70.6e9 * 12 / 2048 / 2**30
+    assert fits["snapshot_and_replicas_gib_per_gpu"] == pytest.approx(2 * gib)
