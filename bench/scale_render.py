@@ -242,6 +242,11 @@ def _sizes(report: dict[str, Any], path: Path) -> None:
         color="tab:red",
         label="checkpoint-restart",
     )
+    extra = [s["gpus"] for s in sizes if s["control_plane"].startswith("extrapolated")]
+    beyond = [g for g in extra if g > min(x)]
+    if beyond:
+        start = max(g for g in x if g < min(beyond))
+        ax.axvspan(start, max(x), color="0.9", label="control plane extrapolated")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs")
@@ -258,20 +263,25 @@ def _phases(report: dict[str, Any], path: Path) -> None:
     from matplotlib.patches import Patch
 
     names = [k for k, v in report["scenarios"].items() if "phases_s" in v]
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
+    zoom = [n for n in names if n.startswith("checkpointless")]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * (len(names) + len(zoom)) + 2.5))
     cmap = plt.get_cmap("tab20")
     seen: dict[str, Any] = {}
-    for i, name in enumerate(names):
-        left = 0.0
-        for phase, v in report["scenarios"][name]["phases_s"].items():
-            colour = seen.setdefault(phase, cmap(len(seen) % 20))
-            ax.barh(i, v, left=left, color=colour)
-            left += v
+    for ax, rows, title in (
+        (axes[0], names, "One fault, phase by phase"),
+        (axes[1], zoom, "Checkpointless only (zoomed)"),
+    ):
+        for i, name in enumerate(rows):
+            left = 0.0
+            for phase, v in report["scenarios"][name]["phases_s"].items():
+                colour = seen.setdefault(phase, cmap(len(seen) % 20))
+                ax.barh(i, v, left=left, color=colour)
+                left += v
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_title(title)
+    axes[1].set_xlabel("seconds, phases stacked")
     handles = [Patch(color=c, label=p) for p, c in seen.items()]
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds, phases stacked")
-    ax.set_title("One fault, phase by phase")
-    fig.tight_layout()
+    fig.legend(handles=handles, fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
