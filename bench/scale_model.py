@@ -145,6 +145,7 @@ def job_inputs(
         "pcie_gbps": Input(hw["pcie_gbps"], "GB/s", "cited", hsrc, hw["pcie_gbps"] * 0.7),
         "hbm_gbps": Input(hw["hbm_gbps"], "GB/s", "cited", hsrc, hw["hbm_gbps"] * 0.6),
         "peak_tflops": Input(hw["peak_tflops"], "TFLOP/s", "cited", hsrc),
+        "nics_per_node": Input(hw["nics_per_node"], "NICs", "cited", hsrc, 1, hw["nics_per_node"]),
     }
     for name in (
         "state_bytes_per_param",
@@ -198,6 +199,7 @@ class Job:
     checkpoint_every_min: float = 30.0
     storage: str = "parallel-fs"  # or "s3"
     replica_memory: str = "gpu"  # or "host" (pinned)
+    placement: str = "ring"  # copies on the next nodes, or "same-node" (over NVLink)
 
     @property
     def nodes(self) -> int:
@@ -206,12 +208,22 @@ class Job:
 
 
 def _bw(inp: Inputs, job: Job) -> float:
-    """Bytes/s one restoring GPU gets from the GPU that holds its copy (on another node): the
-    IB link, or the slower of IB and PCIe when the copy sits in pinned host memory."""
-    link = inp["ib_gbps"].value
+    """Bytes/s one restoring GPU gets from the GPU that holds its copy: NVLink within a node
+    (``same-node``), else the IB link; the slower of that and PCIe when the copy sits in pinned
+    host memory."""
+    link = inp["nvlink_gbps" if job.placement == "same-node" else "ib_gbps"].value
     if job.replica_memory == "host":
         link = min(link, inp["pcie_gbps"].value)
     return link * GB
+
+
+def streams_per_link(inp: Inputs, job: Job, lost: int) -> int:
+    """Restores that share one link of the node serving them: a lost node's ranks pull their
+    copies from one neighbour node (ring placement), whose ``nics_per_node`` links carry them;
+    a single lost GPU has its link to itself."""
+    if job.placement == "same-node":
+        return 1
+    return max(1, math.ceil(lost / max(1, inp["nics_per_node"].value)))
 
 
 def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[str, float]:
@@ -219,9 +231,7 @@ def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[
     n = job.gpus
     s = state_bytes_per_gpu(inp, n, job.shard_degree)
     lost = job.gpus_per_node if node_fault else 1
-    # A lost node's ranks pull their copies in parallel; the copies of one node live on one
-    # neighbour node (ring placement), one GPU -> one GPU, so every stream has its own NIC.
-    streams_per_link = max(1, math.ceil(lost / job.gpus_per_node))
+    streams = streams_per_link(inp, job, lost)
     bw = _bw(inp, job)
     gen = inp["generation_s"].value
     return {
@@ -231,7 +241,7 @@ def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[
         + inp["nccl_lazy_init_s_per_1k_ranks"].value * n / 1024,
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s / (inp["hbm_gbps"].value * GB),
-        "transfer": s * streams_per_link / bw,
+        "transfer": s * streams / bw,
         "restore": 2 * s / (inp["hbm_gbps"].value * GB),
         "data": inp.get("data_s", _zero).value,
         "replicate": job.replicas * s / bw + gen,

@@ -97,7 +97,10 @@ def markdown(report: dict[str, Any], pngs: list[str], missing: str | None = None
         "",
         "The same formulas, fed with this machine's measured inputs, against this machine's "
         "measured `recover`, `compare` and `resize` results. `calibration` rows are the runs "
-        "the fixed costs were taken from; `held-out` rows are predictions.",
+        "the fixed costs were taken from; `held-out` rows are predictions. Target: within 25 %; "
+        f"{h['validation_within_25_pct']} of {h['validation_rows']} rows are; worst held-out: "
+        f"{h['validation_worst_held_out']['name']}, "
+        f"{h['validation_worst_held_out']['error_pct']:+.1f} %.",
         "",
         *_t(
             ("phase sum", "kind", "predicted", "measured", "error"),
@@ -263,13 +266,13 @@ def _phases(report: dict[str, Any], path: Path) -> None:
     from matplotlib.patches import Patch
 
     names = [k for k, v in report["scenarios"].items() if "phases_s" in v]
-    zoom = [n for n in names if n.startswith("checkpointless")]
+    zoom = [n for n in names if n != "checkpoint-restart"]
     fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * (len(names) + len(zoom)) + 2.5))
     cmap = plt.get_cmap("tab20")
     seen: dict[str, Any] = {}
     for ax, rows, title in (
         (axes[0], names, "One fault, phase by phase"),
-        (axes[1], zoom, "Checkpointless only (zoomed)"),
+        (axes[1], zoom, "Checkpointless and resizes (zoomed)"),
     ):
         for i, name in enumerate(rows):
             left = 0.0

@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-s", type=float, default=None, help="seconds per step (own model)")
     p.add_argument("--hardware", default="h100-ib400", help="preset (h100-ib400, ...)")
     p.add_argument("--ib-gbps", type=float, default=None, help="GB/s per GPU across nodes")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override any input of the report by name (repeatable), e.g. nccl_abort_s=2",
+    )
     p.add_argument("--replicas", default="1,2", help="values of k to model (default 1,2)")
     p.add_argument("--checkpoint-every-min", type=float, default=30.0, help="minutes")
     p.add_argument(
@@ -94,6 +101,20 @@ def scale_inputs(args: argparse.Namespace, measured: dict[str, Any]) -> Inputs:
     plan = max(0.0, rec["phases_s"]["plan"] - measured["control_plane_small_generation_s"])
     inp["plan_fixed_s"] = Input(plan, "s", "measured", src, plan * 0.5, plan * 3)
     inp["data_s"] = Input(rec["phases_s"]["data"], "s", "measured", src, 0.0, 1.0)
+    for item in args.set:
+        name, _, text = item.partition("=")
+        if name not in inp:
+            raise UsageError(
+                f"--set {item}: no input {name!r}; inputs are {', '.join(sorted(inp))}"
+            )
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"--set {item}: {text!r} is not a number") from None
+        old = inp[name]
+        inp[name] = Input(
+            value, old.unit, "cited", f"given on the command line (--set); was: {old.source}"
+        )
     return inp
 
 
@@ -129,6 +150,7 @@ def machine_inputs(measured: dict[str, Any]) -> tuple[Inputs, float]:
         "ib_gbps": m(link, f"{src}: bytes_received / transfer", "GB/s"),
         "pcie_gbps": m(link, f"{src}: bytes_received / transfer", "GB/s"),
         "hbm_gbps": m(mem, f"{src}: 2 x state / restore", "GB/s"),
+        "nics_per_node": Input(1, "NICs", "measured", f"{src}: one loopback interface"),
         "data_s": m(ph["data"], src),
         "step_s": m(rec["step_s"], f"{src}: median step interval"),
         "scheduler_restart_s": m(rph["terminate"], csrc),
@@ -271,6 +293,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
         checkpoint_every_min=args.checkpoint_every_min,
         storage=args.storage,
         replica_memory=args.replica_memory,
+        placement=args.placement,
     )
     restart = sm.restart_phases(inp, base)
     restart_s = sum(restart.values())
@@ -319,6 +342,22 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
         mc["goodput"] = gp.goodput(mc["downtime_per_period_s"], repl + ckpt)
         goodput[name] = mc
         memory.append(sm.memory(inp, job))
+    gpn = args.gpus_per_node
+    rz = Job(**{**fallback.__dict__, "replicas": ks[0]})
+    for label, job, to in (
+        ("resize in place: shrink by a node", rz, args.gpus - gpn),
+        (
+            "resize in place: grow by a node",
+            Job(**{**rz.__dict__, "gpus": args.gpus - gpn}),
+            args.gpus,
+        ),
+    ):
+        phases = sm.resize_phases(inp, job, to)
+        scenarios[label] = {
+            "recovery_s": sum(phases.values()),
+            "downtime_s": sum(phases.values()),
+            "phases_s": phases,
+        }
     mean_faults = goodput[f"checkpointless k={ks[0]}"]["faults_per_period"]
     ckpt = _overheads(inp, base)[1]
     goodput["checkpoint-restart"] = {
@@ -371,6 +410,12 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
             }
         )
     m_inp, _ = machine_inputs(measured)
+    rows = validation(measured)
+    held = [r for r in rows if r["kind"] == "held-out"]
+    worst = max(held, key=lambda r: abs(r["error_pct"]))
+    headline["validation_worst_held_out"] = {"name": worst["name"], "error_pct": worst["error_pct"]}
+    headline["validation_within_25_pct"] = sum(abs(r["error_pct"]) <= 25 for r in rows)
+    headline["validation_rows"] = len(rows)
     return {
         "kind": "scale-report",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -392,7 +437,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
         "headline": headline,
         "inputs": {k: v.as_dict() for k, v in sorted(inp.items())},
         "validation_inputs": {k: v.as_dict() for k, v in sorted(m_inp.items())},
-        "validation": validation(measured),
+        "validation": rows,
         "scenarios": scenarios,
         "goodput": goodput,
         "memory": memory,

@@ -169,3 +169,14 @@ def test_memory_says_what_does_not_fit_and_the_fix():
     assert fits["fits_gpu"] and fits["fix"] is None
     gib = 70.6e9 * 12 / 2048 / 2**30
     assert fits["snapshot_and_replicas_gib_per_gpu"] == pytest.approx(2 * gib)
+
+
+def test_node_restores_share_links_and_same_node_copies_use_nvlink():
+    inp = _inputs()
+    s = sm.state_bytes_per_gpu(inp, 2048)
+    node = sm.recovery_phases(inp, Job(), node_fault=True)
+    assert node["transfer"] == pytest.approx(s / 50e9)  # 8 restores over 8 NICs
+    one_nic = sm.recovery_phases(sm.with_value(inp, "nics_per_node", 1), Job(), node_fault=True)
+    assert one_nic["transfer"] == pytest.approx(8 * s / 50e9)
+    same = sm.recovery_phases(inp, Job(placement="same-node"))
+    assert same["transfer"] == pytest.approx(s / 450e9)

@@ -117,3 +117,13 @@ def test_own_model_and_hardware_figures(tmp_path):
     rep = scale_report.build_report(args, sm.load("measured"))
     assert rep["job"]["model"] == "custom" and rep["job"]["step_s"] == 1.5
     assert rep["inputs"]["ib_gbps"]["value"] == 25
+
+
+def test_set_overrides_an_input_and_says_so():
+    measured = sm.load("measured")
+    rep = scale_report.build_report(_args("--set", "nccl_abort_s=4", "--trials", "5"), measured)
+    assert rep["inputs"]["nccl_abort_s"]["value"] == 4
+    assert "--set" in rep["inputs"]["nccl_abort_s"]["source"]
+    for bad in ("no_such_input=1", "nccl_abort_s=fast"):
+        with pytest.raises(UsageError):
+            scale_report.build_report(_args("--set", bad, "--trials", "5"), measured)
