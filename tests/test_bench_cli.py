@@ -329,3 +329,42 @@ def test_baseline_bench(capsys, tmp_path):
         "--json",
     )
     assert summary["steps_lost"] == [0] and summary["downtime_restart_s"] > 0
+
+
+def test_resize_bench_grows_and_shrinks_in_place(capsys, tmp_path):
+    # The tiny model outruns the resizes: --step-time paces it until both are done.
+    r = _run(
+        capsys,
+        "resize",
+        "--model",
+        "tiny",
+        "--steps",
+        "60",
+        "--step-time",
+        "0.3",
+        "--no-dcp",
+        "--timeout",
+        "240",
+        "--work-dir",
+        str(tmp_path),
+        "--json",
+    )
+    in_place = r["in_place"]
+    assert in_place["exit_codes"] == [0, 0, 0]
+    assert (in_place["grow"]["from"], in_place["grow"]["to"]) == (3, 4)
+    assert (in_place["shrink"]["from"], in_place["shrink"]["to"]) == (4, 3)
+    assert in_place["grow"]["step"] < in_place["shrink"]["step"] < 60
+    assert r["grow_resize_s"] > 0 and r["dcp"] == {} and r["resize_speedup_vs_dcp"] is None
+
+
+def test_every_bench_subcommand_has_a_smoke_run():
+    # A run is main([...]) or _run(capsys, ...) with the subcommand first.
+    import re
+
+    from bench.cli import _COMMANDS
+
+    here = Path(__file__).resolve().parent
+    sources = "".join(p.read_text() for p in here.rglob("test_*.py"))
+    runs = set(re.findall(r'(?:main\(\s*\[|_run\(\s*capsys,)\s*"([a-z][a-z-]*)"', sources))
+    missing = [name for name in _COMMANDS if name not in runs]
+    assert missing == [], f"p2p-bench subcommands without a smoke run in tests/: {missing}"
