@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -26,7 +27,7 @@ from typing import Any
 from bench import phases
 from bench.baseline import run_baseline
 from bench.faults import Fault, parse_fault, random_faults
-from bench.runner import bitwise_differences, run_example, run_script
+from bench.runner import JobOutcome, bitwise_differences, run_example, run_script
 
 
 class UsageError(ValueError):
@@ -66,6 +67,13 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
     )
     p.add_argument("--out-dir", default=None, help="report folder (default reports/<kind>-<time>)")
     p.add_argument("--work-dir", default=None, help="where runs keep their files (default tmp)")
+    p.add_argument(
+        "--reference-cache",
+        default=None,
+        metavar="DIR",
+        help="keep fault-free reference runs here and reuse one made for the same job (script "
+        "and its bytes, arguments, model, steps, shape, torch); clear it when the code changes",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="p2p-run's, seconds")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="p2p-run's, seconds")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
@@ -196,14 +204,7 @@ def run_checkpointless(
         section["error"] = _last_lines(outcome.job.output(0))
     progress.run_finished(f"checkpointless run: exit codes {outcome.codes}")
     if reference:
-        progress.run_started("fault-free reference", args.steps)
-        ref = run(
-            work / "reference",
-            spares=[0] * args.nnodes,
-            on_poll=lambda events: _progress_from(progress, events),
-            **common,
-        )
-        progress.run_finished(f"reference run: exit codes {ref.codes}")
+        ref = _reference(args, work, run, common, progress)
         problems = bitwise_differences(outcome, ref)
         if ref.codes != [0] * args.nnodes:
             problems.append(f"the reference run failed: {_last_lines(ref.job.output(0))}")
@@ -211,6 +212,52 @@ def run_checkpointless(
         section["differences"] = problems[:20]
         section["reference_wall_s"] = ref.wall_s
     return section
+
+
+def _reference(
+    args: argparse.Namespace, work: Path, run: Any, common: dict[str, Any], progress: Any
+) -> JobOutcome:
+    """The fault-free run of the job: from ``--reference-cache`` when it holds one, else run."""
+    cache = getattr(args, "reference_cache", None)
+    kept = Path(cache) / f"reference-{_job_key(args)}.json" if cache else None
+    if kept is not None and kept.exists():
+        saved = json.loads(kept.read_text())
+        progress.run_started("fault-free reference (kept)", 0)
+        progress.run_finished(f"reference run: reused {kept}")
+        results = {int(rank): r for rank, r in saved["results"].items()}
+        return JobOutcome(None, saved["codes"], results, saved["wall_s"])
+    progress.run_started("fault-free reference", args.steps)
+    ref = run(
+        work / "reference",
+        spares=[0] * args.nnodes,
+        on_poll=lambda events: _progress_from(progress, events),
+        **common,
+    )
+    progress.run_finished(f"reference run: exit codes {ref.codes}")
+    if kept is not None and ref.codes == [0] * args.nnodes:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        saved = {"codes": ref.codes, "wall_s": ref.wall_s, "results": ref.results}
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved))
+        tmp.replace(kept)
+    return ref
+
+
+def _job_key(args: argparse.Namespace) -> str:
+    """What a fault-free run's results depend on (not where its files go)."""
+    import torch
+
+    script = getattr(args, "script", None)
+    job = {
+        "script": script,
+        "script_sha256": hashlib.sha256(Path(script).read_bytes()).hexdigest() if script else None,
+        "script_args": list(getattr(args, "script_args", None) or []),
+        "model": None if script else args.model,
+        "steps": args.steps,
+        "shape": [args.nnodes, args.nproc_per_node],
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) -> dict[str, Any]:

@@ -14,12 +14,18 @@ being ready; the time a scheduler needs to hand out the new allocation is not co
 favour of the DCP path).
 
     p2p-bench resize --json
+
+A small model trains faster than the resizes take: ``--step-time S`` paces the in-place run's
+steps (at least ``S`` seconds each, through the job hook :func:`pace`) until both resizes are
+done, so that they happen while it trains; ``--no-dcp`` skips the DCP side. The test suite's
+smoke run uses both (``--model tiny --steps 30 --step-time 0.3 --no-dcp``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,8 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import run_baseline
+from bench.fault_runs import UsageError
 from bench.runner import EXAMPLE, LocalJob
 from recovery.config import CAUSE_JOINED as JOINED
+from recovery.job import ENV_JOB_HOOKS
+
+#: The job hook pacing the in-place run's steps (see :func:`pace`).
+PACE_HOOK = "bench.resize_bench:pace"
+#: Minimum seconds per step for :func:`pace`.
+ENV_STEP_S = "P2P_BENCH_STEP_S"
+#: Written into the run directory once both resizes are done: the pacing stops.
+PACE_OFF = "pace-off"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcp-steps", type=int, default=3, help="steps before the DCP resize")
     p.add_argument("--work-dir", default=None, help="where runs keep their files (default tmp)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="pace the in-place run: at least this many seconds per step until both resizes "
+        "are done (for small models; default 0, unpaced)",
+    )
+    p.add_argument("--no-dcp", action="store_true", help="skip the resizes through DCP")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -61,20 +84,20 @@ def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "12",
         ],
         launcher_args=["--max-ranks", "4", "--scale-up-delay", "2", "--min-ranks", "2"],
+        env={ENV_JOB_HOOKS: PACE_HOOK, ENV_STEP_S: str(args.step_time)},
         heartbeat_interval_s=0.5,
     )
     deadline = time.monotonic() + args.timeout
     try:
-        while not _resized(job, 1):
-            if time.monotonic() > deadline or job.nodes[0].poll() is not None:
-                raise RuntimeError(f"the job did not grow: {job.output(0)[-2000:]}")
-            time.sleep(0.2)
+        _wait_for_resizes(job, 1, deadline, "grow")
         subprocess.run(
             [sys.executable, "-m", "launcher.cli", "scale", "--to", "3", "--run-dir", str(run_dir)],
             check=True,
             capture_output=True,
             timeout=60,
         )
+        _wait_for_resizes(job, 2, deadline, "shrink")
+        (run_dir / PACE_OFF).touch()
         codes = job.wait(max(1.0, deadline - time.monotonic()))
     finally:
         job.kill_everything()
@@ -96,8 +119,38 @@ def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
-def _resized(job: LocalJob, count: int) -> bool:
-    return len(_resizes(job)) >= count
+def _wait_for_resizes(job: LocalJob, count: int, deadline: float, what: str) -> None:
+    while len(_resizes(job)) < count:
+        if time.monotonic() > deadline or job.nodes[0].poll() is not None:
+            hint = " (a small model may need --step-time)" if job.nodes[0].poll() == 0 else ""
+            raise RuntimeError(f"the job did not {what}{hint}: {job.output(0)[-2000:]}")
+        time.sleep(0.2)
+
+
+def pace(job: Any) -> None:
+    """Job hook: steps of at least ``P2P_BENCH_STEP_S`` seconds until the bench lifts it."""
+    step_s = float(os.environ.get(ENV_STEP_S) or 0)
+    if step_s > 0:
+        job.add_hook(_Pacer(step_s, Path(os.environ.get("P2P_RUN_DIR", ".")) / PACE_OFF))
+
+
+class _Pacer:
+    """Starts each step ``step_s`` after the previous one at the earliest, until ``off`` exists."""
+
+    def __init__(self, step_s: float, off: Path) -> None:
+        self.step_s, self.off = step_s, off
+        self.last: float | None = None
+        self.lifted = False
+
+    def __call__(self, point: str, **info: Any) -> None:
+        if point != "step_begin" or self.lifted:
+            return
+        if self.off.exists():
+            self.lifted = True
+            return
+        if self.last is not None:
+            time.sleep(max(0.0, self.last + self.step_s - time.monotonic()))
+        self.last = time.monotonic()
 
 
 def _resizes(job: LocalJob) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -159,14 +212,19 @@ def _through_dcp(args: argparse.Namespace, work: Path, before: int, after: int) 
 def run(args: argparse.Namespace) -> int:
     """Both ways, both directions; print the figures."""
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="p2p-bench-resize-"))
+    if args.steps < 2 or args.dcp_steps < 1 or args.step_time < 0:
+        raise UsageError("--steps must be at least 2, --dcp-steps 1 and --step-time 0 or more")
     in_place = _in_place(args, work)
-    dcp = {"grow": _through_dcp(args, work, 3, 4), "shrink": _through_dcp(args, work, 4, 3)}
+    dcp = {}
+    if not args.no_dcp:
+        dcp = {"grow": _through_dcp(args, work, 3, 4), "shrink": _through_dcp(args, work, 4, 3)}
     result: dict[str, Any] = {"model": args.model, "in_place": in_place, "dcp": dcp}
     for label in ("grow", "shrink"):
-        ours, theirs = in_place.get(label, {}).get("resize_s"), dcp[label]["resize_s"]
+        ours = in_place.get(label, {}).get("resize_s")
+        theirs = dcp.get(label, {}).get("resize_s")
         result[f"{label}_resize_s"] = ours
         result[f"{label}_resize_dcp_s"] = theirs
-        result[f"{label}_speedup_vs_dcp"] = round(theirs / ours, 1) if ours else None
+        result[f"{label}_speedup_vs_dcp"] = round(theirs / ours, 1) if ours and theirs else None
     speedups = [result[f"{x}_speedup_vs_dcp"] for x in ("grow", "shrink")]
     result["resize_speedup_vs_dcp"] = min(speedups) if all(speedups) else None
     if args.json:
@@ -175,6 +233,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"p2p-bench resize: {args.model} model")
     for label in ("grow", "shrink"):
         ours = in_place.get(label, {})
+        if label not in dcp:
+            print(f"  {label:6s}: in place {ours.get('resize_s', float('nan')):.2f} s")
+            continue
         theirs = dcp[label]
         print(
             f"  {label:6s} {theirs['from']} -> {theirs['to']}: in place "

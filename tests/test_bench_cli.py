@@ -90,16 +90,25 @@ def test_bad_bench_input_is_one_line(capsys):
 FAST = ["--model", "tiny", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "3"]
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """``--reference-cache``: the tests of one job share its fault-free run."""
+    return ["--reference-cache", str(tmp_path_factory.mktemp("references"))]
+
+
 def _report(path):
     return json.loads((path / "report.json").read_text())
 
 
-def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(capsys, tmp_path):
+def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(
+    capsys, tmp_path, references
+):
     out = tmp_path / "report"
     summary = _run(
         capsys,
         "compare",
         *FAST,
+        *references,
         "--steps",
         "6",
         "--fault",
@@ -128,11 +137,12 @@ def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(capsy
     assert set(theirs["phases"]) >= {"terminate", "restart processes", "load checkpoint"}
 
 
-def test_inject_a_kill_and_a_hang(capsys, tmp_path):
+def test_inject_a_kill_and_a_hang(capsys, tmp_path, references):
     summary = _run(
         capsys,
         "inject",
         *FAST,
+        *references,
         "--steps",
         "6",
         "--fault",
@@ -154,15 +164,16 @@ def test_inject_a_kill_and_a_hang(capsys, tmp_path):
     assert faults[1]["phases"]["detect"] > 2.5 > faults[0]["phases"]["detect"]
 
 
-def test_the_check_fails_when_a_run_is_silently_corrupted(capsys, tmp_path):
+def test_the_check_fails_when_a_run_is_silently_corrupted(capsys, tmp_path, references):
     from bench.cli import main
 
     code = main(
         [
             "inject",
             *FAST,
+            *references,
             "--steps",
-            "4",
+            "6",
             "--fault",
             "bitflip:rank=1@step=2",
             "--out-dir",
@@ -181,7 +192,7 @@ def test_the_check_fails_when_a_run_is_silently_corrupted(capsys, tmp_path):
 USER_SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "user_train.py")
 
 
-def _inject_script(tmp_path, fault, *script_args):
+def _inject_script(tmp_path, references, fault, *script_args):
     from bench.cli import main
 
     return main(
@@ -189,6 +200,7 @@ def _inject_script(tmp_path, fault, *script_args):
             "inject",
             "--script",
             USER_SCRIPT,
+            *references,
             "--heartbeat-interval",
             "0.1",
             "--steps",
@@ -208,8 +220,9 @@ def _inject_script(tmp_path, fault, *script_args):
     )
 
 
-def test_inject_into_a_users_script_that_knows_nothing_of_it(capsys, tmp_path):
-    assert _inject_script(tmp_path, "kill:rank=1@step=3:phase=backward", "--lr", "0.02") == 0
+def test_inject_into_a_users_script_that_knows_nothing_of_it(capsys, tmp_path, references):
+    fault = "kill:rank=1@step=3:phase=backward"
+    assert _inject_script(tmp_path, references, fault, "--lr", "0.02") == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["bitwise_equal"] is True
     report = _report(tmp_path / "report")
@@ -222,8 +235,8 @@ def test_inject_into_a_users_script_that_knows_nothing_of_it(capsys, tmp_path):
     assert all(s["batch"] for s in spare["steps"].values())
 
 
-def test_the_check_of_a_users_script_fails_when_its_run_is_corrupted(capsys, tmp_path):
-    assert _inject_script(tmp_path, "bitflip:rank=0@step=2") == 1
+def test_the_check_of_a_users_script_fails_when_its_run_is_corrupted(capsys, tmp_path, references):
+    assert _inject_script(tmp_path, references, "bitflip:rank=0@step=2", "--lr", "0.02") == 1
     summary = json.loads(capsys.readouterr().out)
     assert summary["bitwise_equal"] is False
     assert "rank 0's final state differs" in summary["modes"]["checkpointless"]["differences"]
@@ -282,7 +295,7 @@ def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
     assert len(err) == 1 and message in err[0], err
 
 
-def test_recover_fires_a_fault_in_the_transfer_phase_of_the_recovery(capsys, tmp_path):
+def test_recover_fires_a_fault_in_the_transfer_phase_of_the_recovery(capsys, tmp_path, references):
     # The peer-restore path must call the hook of its transfer phase: a fault asked for there
     # fires (a second recovery follows) and the result is still bitwise. With k=2 a copy of
     # every shard outlives both faults.
@@ -290,10 +303,11 @@ def test_recover_fires_a_fault_in_the_transfer_phase_of_the_recovery(capsys, tmp
         capsys,
         "recover",
         *FAST,
+        *references,
         "--replicas",
         "2",
         "--steps",
-        "5",
+        "6",
         "--fault",
         "kill:rank=1@step=3",
         "--fault",
@@ -329,3 +343,73 @@ def test_baseline_bench(capsys, tmp_path):
         "--json",
     )
     assert summary["steps_lost"] == [0] and summary["downtime_restart_s"] > 0
+
+
+def test_resize_bench_grows_and_shrinks_in_place(capsys, tmp_path):
+    # The tiny model outruns the resizes: --step-time paces it until both are done.
+    r = _run(
+        capsys,
+        "resize",
+        "--model",
+        "tiny",
+        "--steps",
+        "60",
+        "--step-time",
+        "0.3",
+        "--no-dcp",
+        "--timeout",
+        "240",
+        "--work-dir",
+        str(tmp_path),
+        "--json",
+    )
+    in_place = r["in_place"]
+    assert in_place["exit_codes"] == [0, 0, 0]
+    assert (in_place["grow"]["from"], in_place["grow"]["to"]) == (3, 4)
+    assert (in_place["shrink"]["from"], in_place["shrink"]["to"]) == (4, 3)
+    assert in_place["grow"]["step"] < in_place["shrink"]["step"] < 60
+    assert r["grow_resize_s"] > 0 and r["dcp"] == {} and r["resize_speedup_vs_dcp"] is None
+
+
+def test_every_bench_subcommand_has_a_smoke_run():
+    # A run is main([...]) or _run(capsys, ...) with the subcommand first.
+    import re
+
+    from bench.cli import _COMMANDS
+
+    here = Path(__file__).resolve().parent
+    sources = "".join(p.read_text() for p in here.rglob("test_*.py"))
+    runs = set(re.findall(r'(?:main\(\s*\[|_run\(\s*capsys,)\s*"([a-z][a-z-]*)"', sources))
+    missing = [name for name in _COMMANDS if name not in runs]
+    assert missing == [], f"p2p-bench subcommands without a smoke run in tests/: {missing}"
+
+
+def test_a_kept_reference_is_reused_only_for_the_same_job(tmp_path):
+    import argparse
+
+    from bench import fault_runs
+    from bench.report import LiveProgress
+    from bench.runner import JobOutcome
+
+    runs = []
+
+    def run(run_dir, **kwargs):
+        runs.append(run_dir)
+        return JobOutcome(None, [0, 0], {0: {"digest": f"d{len(runs)}", "steps": {}}}, 1.0)
+
+    def reference(steps):
+        args = argparse.Namespace(
+            reference_cache=str(tmp_path / "kept"),
+            script=None,
+            model="tiny",
+            steps=steps,
+            nnodes=2,
+            nproc_per_node=2,
+        )
+        with LiveProgress(quiet=True, total_runs=1) as progress:
+            return fault_runs._reference(args, tmp_path / "work", run, {}, progress)
+
+    first, again, other = reference(6), reference(6), reference(7)
+    assert len(runs) == 2  # the second run of the 6-step job was not made
+    assert again.results == first.results and again.codes == [0, 0]
+    assert other.results[0]["digest"] == "d2"

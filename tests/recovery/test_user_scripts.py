@@ -9,7 +9,9 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
 - ``transformer_global_rng.py``: a Transformer built on the meta device and initialised by
   ``reset_parameters()``, bf16 ``MixedPrecisionPolicy``, explicit forward/backward prefetch,
   Adam, gradient-norm clipping, no loader; batches and dropout from the global torch
-  generator, draws from Python's ``random`` and NumPy's global generator in every step.
+  generator, draws from Python's ``random`` and NumPy's global generator in every step; faults
+  close together, in the first step after a recovery, a factory drawing from the global
+  generator a different number of times in a spare, and ``reshard_after_forward=False``.
 - ``mlp_scheduled.py``: a loader of its own augmenting with ``random``/NumPy, dropout, a
   persistent buffer, SGD with momentum under a warm-up-then-cosine LR schedule, clipping, a
   value in ``job.user_state``. Run with a checkpoint every 5 steps and faults every 2-3 steps,
@@ -64,16 +66,33 @@ def _inject(tmp_path: Path, capsys, script: str, steps: int, faults, *flags, scr
 
 
 def test_global_rng_transformer_survives_a_fault_in_every_phase(tmp_path, capsys):
+    # Also the patterns where the global generator could go astray: a second fault during the
+    # first recovery's restore, faults in the first step after a recovery (its redo of step 5),
+    # and a factory drawing from the global generator more on each call (a spare builds more
+    # often than a survivor), with reshard_after_forward=False (the unsharded parameters
+    # outlive the forward pass; the example job covers the default). k=2 keeps a copy of every
+    # shard through the close faults.
     faults = (
         "kill:rank=1@step=2:phase=forward",
-        "kill:rank=2@step=4:phase=backward",
-        "kill:rank=3@step=6:phase=optimizer",
-        "during-replication:rank=0@step=8",
+        "during-recovery:rank=2@recovery=1:phase=restore",
+        "kill:rank=3@step=5:phase=backward",
+        "kill:rank=0@step=5:phase=optimizer",
+        "during-replication:rank=1@step=7",
     )
-    section, done = _inject(tmp_path, capsys, "transformer_global_rng.py", 10, faults)
-    assert len(section["faults"]) == len(faults)
-    # Four recoveries of every rank, each from the peers' copies.
-    assert len({e["generation"] for e in done}) >= 4
+    section, done = _inject(
+        tmp_path,
+        capsys,
+        "transformer_global_rng.py",
+        8,
+        faults,
+        "--replicas",
+        "2",
+        script_args=("--factory-draws", "3", "--no-reshard"),
+    )
+    assert len(section["faults"]) == len(faults) and section["not_fired"] == []
+    # A recovery of every rank per fault, each from the peers' copies, but the one the second
+    # fault cut short.
+    assert len({e["generation"] for e in done}) >= len(faults) - 1
     assert {e["restored_from"] for e in done} == {"peers"}
 
 

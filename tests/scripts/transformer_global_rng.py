@@ -69,13 +69,20 @@ class Transformer(torch.nn.Module):
             block.attn._reset_parameters()
 
 
+_builds = itertools.count(1)
+
+
 def build(args: argparse.Namespace):
+    # With --factory-draws, each call of the factory in this process draws more from the global
+    # generator than the last (a spare builds more often than a survivor).
+    torch.rand(args.factory_draws * next(_builds))
     with torch.device("meta"):
         model = Transformer(args.blocks)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reshard = not args.no_reshard
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     blocks = list(model.blocks)
     for current, following in itertools.pairwise(blocks):
         current.set_modules_to_forward_prefetch([following])
@@ -93,6 +100,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--factory-draws", type=int, default=0, help="draws per factory call")
+    p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
