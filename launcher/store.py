@@ -52,6 +52,8 @@ DEFAULT_MAX_TOTAL_BYTES = 256 << 20
 DEFAULT_MAX_SESSIONS = 1 << 16
 _DOMAIN = b"p2p-rendezvous-store/1"
 
+_SLICE_MS = 50
+
 _OPS = frozenset({"set", "get", "add", "check", "compare_set", "delete_key", "num_keys"})
 
 
@@ -351,12 +353,13 @@ class SignedStore(dist.Store):
         self._sock.connect(f"tcp://{host}:{port}")
         self._address = f"{host}:{port}"
         self.closed = False
+        self._closing = threading.Event()
 
     # -- the wire ------------------------------------------------------------------------------
 
     def _call(self, op: str, *args: Any) -> Any:
         with self._lock:
-            if self.closed:
+            if self._closing.is_set():
                 raise dist.DistStoreError("the rendezvous store client is closed")
             self._seq += 1
             request = {
@@ -372,11 +375,16 @@ class SignedStore(dist.Store):
             deadline = time.monotonic() + self._timeout.total_seconds()
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1e3)
-                if left_ms <= 0 or not self._sock.poll(left_ms):
+                if left_ms <= 0:
                     raise dist.DistStoreError(
                         f"no answer from the rendezvous store at {self._address} within "
                         f"{self._timeout.total_seconds():.0f}s (operation {op})"
                     )
+                # Short slices, so close() from another thread ends a wait promptly.
+                if not self._sock.poll(min(left_ms, _SLICE_MS)):
+                    if self._closing.is_set():
+                        raise dist.DistStoreError("the rendezvous store client was closed")
+                    continue
                 frames = self._sock.recv_multipart()
                 try:
                     reply = _verify(self._key, frames, MAX_REQUEST_BYTES)
@@ -397,17 +405,24 @@ class SignedStore(dist.Store):
             result = ready()
             if result is not None and result is not False:
                 return result
+            if self._closing.is_set():
+                raise dist.DistStoreError("the rendezvous store client was closed")
             if time.monotonic() >= deadline:
                 raise dist.DistStoreError(
                     f"timed out after {budget:.0f}s waiting for {what} in the rendezvous store "
                     f"at {self._address}"
                 )
-            time.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
+            self._closing.wait(min(pause_s, max(0.0, deadline - time.monotonic())))
             pause_s = min(pause_s * 2, 0.05)
 
     def close(self) -> None:
-        """Close the socket (idempotent); later calls raise."""
-        with self._lock:
+        """Close the socket (idempotent, thread-safe); a call in progress and later ones raise.
+
+        For an abort: a rank blocked in a rendezvous (a ``get`` of a key that a dead member
+        would have written) returns within :data:`_SLICE_MS` instead of at the timeout.
+        """
+        self._closing.set()
+        with self._lock:  # the call in progress notices the flag and lets go
             if not self.closed:
                 self.closed = True
                 self._sock.close(linger=0)

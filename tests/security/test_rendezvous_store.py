@@ -210,3 +210,25 @@ def test_random_frames_never_stop_the_server(server, client, ctx, frames):
 def test_it_listens_on_the_address_it_is_given_only(server):
     endpoint = server._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     assert endpoint.startswith("tcp://127.0.0.1:")
+
+
+def test_close_from_another_thread_ends_a_blocked_get(server):
+    """An abort closes the store: a rank waiting for a dead member's key is released."""
+    waiting = SignedStore("127.0.0.1", server.port, SECRET, JOB, timedelta(seconds=120))
+    outcome: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            waiting.get("a key nobody writes")
+        except dist.DistStoreError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=get)
+    t.start()
+    deadline = time.monotonic() + 10
+    while waiting._seq == 0 and time.monotonic() < deadline:  # the get has reached the server
+        time.sleep(0.01)
+    waiting.close()
+    t.join(30)  # far below the store's own 120 s timeout
+    assert not t.is_alive()
+    assert outcome and "closed" in str(outcome[0])
