@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launcher import store as store_mod
-from launcher.store import SignedStore, StoreServer
+from launcher.store import StoreServer
+from launcher.store_client import SignedStore
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 JOB = "job-1"
