@@ -86,7 +86,8 @@ class Agent:
         self.children: dict[int, _Child] = {}
         self._spawned = 0
         self._signal: int | None = None
-        self.store_port = 0
+        self.env_store_port = 0
+        """Port of torch's TCPStore when p2p-run was given ``--env-store`` (else 0)."""
         self.end_reason: str | None = None
         """The coordinator's reason when it ended the job."""
 
@@ -105,9 +106,6 @@ class Agent:
                 "GROUP_RANK": str(cfg.node_rank),
                 "GROUP_WORLD_SIZE": str(cfg.nnodes),
                 "MASTER_ADDR": host,
-                "MASTER_PORT": str(self.store_port),
-                # Every rank is a client of the coordinator's store, which outlives any rank.
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 protocol.ENV_COORDINATOR: cfg.coordinator,
                 protocol.ENV_JOB_ID: cfg.job_id,
                 protocol.ENV_SECRET_FILE: cfg.secret_file,
@@ -119,6 +117,10 @@ class Agent:
                 protocol.ENV_AGENT_PID: str(os.getpid()),
             }
         )
+        if self.env_store_port:
+            # A plain env:// script joins the coordinator's TCPStore as a client: it outlives
+            # any rank. Protected scripts rendezvous through the authenticated store instead.
+            env.update(MASTER_PORT=str(self.env_store_port), TORCHELASTIC_USE_AGENT_STORE="True")
         if cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
         if rank is not None:
@@ -232,7 +234,7 @@ class Agent:
             if first.type == protocol.SHUTDOWN:
                 reason = first.body.get("reason", "")
                 raise AgentError(f"the coordinator refused this node: {reason}")
-            self.store_port = int(first.body.get("store_port", 0))
+            self.env_store_port = int(first.body.get("env_store_port", 0))
             if cfg.node_rank < cfg.nnodes:
                 for local in range(cfg.nproc_per_node):
                     self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)

@@ -231,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-job secret (mode 0600); by default node 0 creates <run-dir>/secret once and "
         "the other nodes wait for it (at most --join-timeout)",
     )
+    p.add_argument(
+        "--env-store",
+        action="store_true",
+        help="also host torch's TCPStore at MASTER_ADDR:MASTER_PORT, for scripts that call "
+        "dist.init_process_group() themselves (unauthenticated: see docs/security.md); "
+        "protected scripts never need it",
+    )
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
     p.add_argument("script", nargs="?", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
@@ -398,6 +405,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
     ]
     if args.allowed_sizes:
         cmd += ["--allowed-sizes", ",".join(map(str, args.allowed_sizes))]
+    if args.env_store:
+        cmd.append("--env-store")
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + _COORDINATOR_START_S
     while not address_file.exists():

@@ -116,9 +116,9 @@ class ControlClient:
         self._on_shutdown = on_shutdown
         self._on_interrupt = on_interrupt
         self.events = EventLog(config.run_dir, config.identity)
-        self._codec = protocol.Codec(
-            protocol.read_secret(config.secret_file), config.job_id, config.identity
-        )
+        self.secret = protocol.read_secret(config.secret_file)
+        """The job's secret: it also signs this process's requests to the rendezvous store."""
+        self._codec = protocol.Codec(self.secret, config.job_id, config.identity)
         self._outbox: queue.Queue[tuple[str, dict, int]] = queue.Queue()
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._welcome = threading.Event()

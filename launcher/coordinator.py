@@ -30,6 +30,7 @@ from launcher.decisions import End, Event, Generation, Interrupt, Kill, Process,
 from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
 from launcher.policy import ElasticConfig
+from launcher.store import StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class CoordinatorConfig:
     tick_s: float = 0.05
     """How often deadlines are checked when no message arrives."""
     host_store: bool = True
+    env_store: bool = False
+    """Also host torch's (unauthenticated) ``TCPStore`` at ``MASTER_PORT``, for scripts that
+    call ``dist.init_process_group()`` themselves."""
     """Host the torch TCPStore for the ranks' rendezvous (needs torch)."""
 
 
@@ -62,9 +66,8 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.codec = protocol.Codec(
-            protocol.read_secret(config.secret_file), config.job_id, COORDINATOR_IDENTITY
-        )
+        secret = protocol.read_secret(config.secret_file)
+        self.codec = protocol.Codec(secret, config.job_id, COORDINATOR_IDENTITY)
         self.membership = Membership(config.membership)
         self.events = EventLog(config.run_dir, COORDINATOR_IDENTITY)
         self.ctx = zmq.Context()
@@ -81,21 +84,28 @@ class Coordinator:
             self.port = config.port
         else:
             self.port = self.sock.bind_to_random_port(f"tcp://{config.host}")
-        self.store = None
+        self.store: StoreServer | None = None
         self.store_port = 0
+        self.env_store = None
+        self.env_store_port = 0
         if config.host_store:
+            self.store = StoreServer(secret, config.job_id, config.host).start()
+            self.store_port = self.store.port
+        if config.env_store:
             from datetime import timedelta
 
             import torch.distributed as dist
 
-            self.store = dist.TCPStore(
+            # torch's own store, for scripts that call dist.init_process_group() themselves:
+            # unauthenticated and listening on every interface (docs/security.md).
+            self.env_store = dist.TCPStore(
                 config.host,
                 0,
                 is_master=True,
                 wait_for_workers=False,
                 timeout=timedelta(seconds=60),
             )
-            self.store_port = self.store.port
+            self.env_store_port = self.env_store.port
         self.dropped = 0
         self.exit_code: int | None = None
         self._errors_seen: set[tuple[str, str, str]] = set()
@@ -216,7 +226,11 @@ class Coordinator:
             self._send(
                 msg.sender,
                 protocol.WELCOME,
-                {"store_port": self.store_port, "generation": self.membership.generation},
+                {
+                    "store_port": self.store_port,
+                    "env_store_port": self.env_store_port,
+                    "generation": self.membership.generation,
+                },
             )
             self.events.write("hello", identity=msg.sender, role=proc.role, node=proc.node)
             self._apply(self.membership.hello(proc, None if rank is None else int(rank), now))
@@ -354,7 +368,10 @@ class Coordinator:
         self.sock.close(linger=500)
         self.ctx.term()
         self.events.close()
-        self.store = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        self.env_store = None
 
 
 def _elastic(args: argparse.Namespace) -> ElasticConfig | None:
@@ -396,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-up-delay", type=float, default=30.0)
     p.add_argument("--graceful-timeout", type=float, default=60.0)
     p.add_argument("--join-timeout", type=float, default=None)
-    p.add_argument("--no-store", action="store_true", help="do not host a TCPStore (no torch)")
+    p.add_argument("--no-store", action="store_true", help="host no rendezvous store")
+    p.add_argument(
+        "--env-store", action="store_true", help="also host torch's TCPStore for env:// scripts"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -408,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             secret_file=args.secret_file,
             run_dir=args.run_dir,
             host_store=not args.no_store,
+            env_store=args.env_store,
             membership=MembershipConfig(
                 world_size=args.world_size,
                 ranks_per_node=args.ranks_per_node,

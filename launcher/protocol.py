@@ -134,7 +134,11 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     SPAWN_SPARE: {},
     SHUTDOWN: {"reason": (_STR, False), "code": (_INT, False)},
     INTERRUPT: {},
-    WELCOME: {"generation": (_INT, False), "store_port": (_INT, False)},
+    WELCOME: {
+        "generation": (_INT, False),
+        "store_port": (_INT, False),
+        "env_store_port": (_INT, False),
+    },
 }
 _MAX_ABS_INT = 2**62
 

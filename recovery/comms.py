@@ -119,6 +119,10 @@ class CommsSpec:
     store_host: str
     store_port: int
     store_prefix: str
+    store_secret: bytes = b""
+    """The job's secret: the rendezvous store is the authenticated one
+    (:mod:`launcher.store`). Empty: a plain ``TCPStore`` (jobs without a coordinator)."""
+    job_id: str = ""
     backend: str
     """Default group backend, e.g. ``gloo`` or ``cpu:gloo,cuda:nccl``."""
     timeout_s: float
@@ -149,6 +153,8 @@ class Comms:
     spec: CommsSpec
     default: dist.ProcessGroup | None = None
     store: dist.Store | None = None
+    base_store: dist.Store | None = None
+    """The connection ``store`` prefixes (closed by :meth:`abort` and :meth:`destroy`)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     """Further groups of this generation by name (:meth:`group`)."""
     _sockets: dict[int, int] = field(default_factory=dict)  # fd -> inode
@@ -219,6 +225,7 @@ class Comms:
         if nccl:
             abort_together(nccl, _nccl_backend(nccl[-1]), self.generation)
         n = self._shutdown_all()
+        self._close_store()  # a member blocked in the rendezvous returns now, not at its deadline
         logger.info("generation %d: aborted its groups (%d sockets shut down)", self.generation, n)
 
     def abort_in_background(self) -> threading.Thread | None:
@@ -259,7 +266,13 @@ class Comms:
             except Exception as e:
                 logger.debug("destroying generation %d's default group: %s", self.generation, e)
         self.groups.clear()
-        self.default = self.store = None
+        self._close_store()
+        self.default = self.store = self.base_store = None
+
+    def _close_store(self) -> None:
+        close = getattr(self.base_store, "close", None)  # the authenticated store's client
+        if close is not None:
+            close()
 
 
 def _nccl_backend(pg: Any) -> Any:
@@ -329,9 +342,8 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     join = timedelta(seconds=spec.join_timeout_s)
     t0 = time.perf_counter()
     try:
-        base = comms._track(
-            lambda: dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=join)
-        )
+        base = comms._track(lambda: _connect_store(spec, join))
+        comms.base_store = base
         comms.store = dist.PrefixStore(spec.store_prefix, base)
         comms.default = comms._track(
             lambda: _init_default(comms.store, spec.backend, spec.rank, spec.world_size, join)
@@ -353,6 +365,14 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
         (time.perf_counter() - t0) * 1e3,
     )
     return comms
+
+
+def _connect_store(spec: CommsSpec, timeout: timedelta) -> dist.Store:
+    if not spec.store_secret:
+        return dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+    from launcher.store_client import SignedStore
+
+    return SignedStore(spec.store_host, spec.store_port, spec.store_secret, spec.job_id, timeout)
 
 
 def _init_default(

@@ -301,6 +301,8 @@ class Session:
             store_host=host,
             store_port=port,
             store_prefix=info.store_prefix,
+            store_secret=self.client.secret,
+            job_id=self.client.config.job_id,
             backend=self.backend,
             timeout_s=self.timeout_s,
             # Out of a generation that cannot form (a member died) before the coordinator's

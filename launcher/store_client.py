@@ -1,0 +1,179 @@
+"""The client side of the authenticated rendezvous store (:mod:`launcher.store`).
+
+A Python subclass of :class:`torch.distributed.Store`, so every process-group constructor takes
+it; kept apart from the server so the coordinator never needs torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import torch.distributed as dist
+import zmq
+
+from launcher.store import (
+    MAX_REQUEST_BYTES,
+    STORE_VERSION,
+    StoreRejected,
+    _sign,
+    _store_key,
+    _verify,
+)
+
+logger = logging.getLogger(__name__)
+
+_SLICE_MS = 50
+"""Longest a blocked call goes without checking whether :meth:`SignedStore.close` was called."""
+
+
+class SignedStore(dist.Store):
+    """The client side: a :class:`torch.distributed.Store` for process-group constructors.
+
+    Thread-safe (one request at a time). Blocking calls (``get`` of a missing key, ``wait``)
+    poll with a backoff until the store's timeout and then raise
+    :class:`torch.distributed.DistStoreError` naming the keys.
+
+    Args:
+        host: The server's host.
+        port: The server's port.
+        secret: The job's secret.
+        job_id: The job's id.
+        timeout: Deadline of every blocking call (and of every single reply).
+    """
+
+    def __init__(
+        self, host: str, port: int, secret: bytes, job_id: str, timeout: timedelta
+    ) -> None:
+        super().__init__()
+        self._key = _store_key(secret)
+        self._job_id = job_id
+        self._timeout = timeout
+        self._sid = os.urandom(16)
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + 64)
+        self._sock.connect(f"tcp://{host}:{port}")
+        self._address = f"{host}:{port}"
+        self.closed = False
+        self._closing = threading.Event()
+
+    # -- the wire ------------------------------------------------------------------------------
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            if self._closing.is_set():
+                raise dist.DistStoreError("the rendezvous store client is closed")
+            self._seq += 1
+            request = {
+                "v": STORE_VERSION,
+                "job": self._job_id,
+                "sid": self._sid,
+                "seq": self._seq,
+                "ts": time.time_ns(),
+                "op": op,
+                "args": list(args),
+            }
+            self._sock.send_multipart(_sign(self._key, msgpack.packb(request, use_bin_type=True)))
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1e3)
+                if left_ms <= 0:
+                    raise dist.DistStoreError(
+                        f"no answer from the rendezvous store at {self._address} within "
+                        f"{self._timeout.total_seconds():.0f}s (operation {op})"
+                    )
+                # Short slices, so close() from another thread ends a wait promptly.
+                if not self._sock.poll(min(left_ms, _SLICE_MS)):
+                    if self._closing.is_set():
+                        raise dist.DistStoreError("the rendezvous store client was closed")
+                    continue
+                frames = self._sock.recv_multipart()
+                try:
+                    reply = _verify(self._key, frames, MAX_REQUEST_BYTES)
+                except StoreRejected as e:
+                    logger.warning("dropped a reply from the rendezvous store: %s", e)
+                    continue
+                if reply.get("sid") != self._sid or reply.get("seq") != self._seq:
+                    continue  # not the answer to this request (a late one, or a replay)
+                if reply.get("error") is not None:
+                    raise dist.DistStoreError(f"rendezvous store refused {op}: {reply['error']}")
+                return reply.get("result")
+
+    def _poll_until(self, what: str, ready: Any, timeout: timedelta | None = None) -> Any:
+        budget = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + budget
+        pause_s = 0.001
+        while True:
+            result = ready()
+            if result is not None and result is not False:
+                return result
+            if self._closing.is_set():
+                raise dist.DistStoreError("the rendezvous store client was closed")
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(
+                    f"timed out after {budget:.0f}s waiting for {what} in the rendezvous store "
+                    f"at {self._address}"
+                )
+            self._closing.wait(min(pause_s, max(0.0, deadline - time.monotonic())))
+            pause_s = min(pause_s * 2, 0.05)
+
+    def close(self) -> None:
+        """Close the socket (idempotent, thread-safe); a call in progress and later ones raise.
+
+        For an abort: a rank blocked in a rendezvous (a ``get`` of a key that a dead member
+        would have written) returns within :data:`_SLICE_MS` instead of at the timeout.
+        """
+        self._closing.set()
+        with self._lock:  # the call in progress notices the flag and lets go
+            if not self.closed:
+                self.closed = True
+                self._sock.close(linger=0)
+                self._ctx.term()
+
+    # -- torch.distributed.Store ---------------------------------------------------------------
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", key, _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._poll_until(f"key {key!r}", lambda: self._call("get", key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, int(amount)))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call("compare_set", key, _as_bytes(expected), _as_bytes(desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", list(keys)))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._poll_until(f"keys {list(keys)!r}", lambda: self._call("check", list(keys)), timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call("delete_key", key))
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys"))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, list):  # torch passes std::vector<uint8_t> as a list of ints
+        return bytes(value)
+    raise TypeError(f"store values are bytes or str, not {type(value).__name__}")
