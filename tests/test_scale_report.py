@@ -98,9 +98,13 @@ def test_user_mistakes_are_usage_errors():
 
 
 def test_cli_writes_the_report_folder(tmp_path, capsys):
+    from bench.cli import main
+
     out = tmp_path / "rep"
-    args = _args("--gpus", "256", "--trials", "20", "--out-dir", str(out), "--json")
-    assert scale_report.run(args) == 0
+    assert (
+        main(["scale-report", "--gpus", "256", "--trials", "20", "--out-dir", str(out), "--json"])
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     on_disk = json.loads((out / "report.json").read_text())
     assert printed["headline"] == on_disk["headline"]
