@@ -135,7 +135,7 @@ def markdown(report: dict[str, Any], pngs: list[str], missing: str | None = None
             (
                 name,
                 f"{g['faults_per_period']:.1f}",
-                f"{g.get('double_fault_incidents_per_period', 0):.3f}",
+                f"{g['double_fault_incidents_per_period']:.3f}" if "trials" in g else "-",
                 f"{g.get('copies_lost_fraction', 0):.2e} (analytic "
                 f"{g.get('copies_lost_fraction_analytic', 0):.2e})"
                 if "copies_lost_fraction" in g

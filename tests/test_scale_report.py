@@ -98,9 +98,13 @@ def test_user_mistakes_are_usage_errors():
 
 
 def test_cli_writes_the_report_folder(tmp_path, capsys):
+    from bench.cli import main
+
     out = tmp_path / "rep"
-    args = _args("--gpus", "256", "--trials", "20", "--out-dir", str(out), "--json")
-    assert scale_report.run(args) == 0
+    assert (
+        main(["scale-report", "--gpus", "256", "--trials", "20", "--out-dir", str(out), "--json"])
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     on_disk = json.loads((out / "report.json").read_text())
     assert printed["headline"] == on_disk["headline"]
@@ -127,3 +131,11 @@ def test_set_overrides_an_input_and_says_so():
     for bad in ("no_such_input=1", "nccl_abort_s=fast"):
         with pytest.raises(UsageError):
             scale_report.build_report(_args("--set", bad, "--trials", "5"), measured)
+
+
+def test_a_bad_flag_is_one_line_through_the_cli(capsys, tmp_path):
+    from bench.cli import main
+
+    assert main(["scale-report", "--model", "gpt-9", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("p2p-bench scale-report: error: --model gpt-9") and "\n" not in err
