@@ -113,6 +113,7 @@ class ColdCheckpointer:
         self.config = config
         self.state = state
         self.group = group if group is not None else dist.new_group(backend="gloo")
+        self._rank = dist.get_rank(self.group)
         self._pending: Future | None = None
         self._pending_step = -1
 
@@ -199,7 +200,9 @@ class ColdCheckpointer:
         sd = self._state_dict(step, extras, rank_states, world_size)
         if self.config.async_save and not blocking:
             result = dcp.async_save(sd, checkpoint_id=self._path(step), process_group=self.group)
-            self._pending = getattr(result, "upload_completion", result)
+            self._pending = self._signed_when_written(
+                getattr(result, "upload_completion", result), step
+            )
             self._pending_step = step
         else:
             dcp.save(sd, checkpoint_id=self._path(step), process_group=self.group)
@@ -212,7 +215,6 @@ class ColdCheckpointer:
             return
         try:
             self._pending.result(timeout=self.config.timeout_s)
-            self._sign(self._pending_step)
         except TimeoutError as e:
             raise TimeoutError(
                 f"the checkpoint of step {self._pending_step} did not finish writing within "
@@ -222,18 +224,45 @@ class ColdCheckpointer:
             self._pending = None
 
     def _sign(self, step: int) -> None:
-        if dist.get_rank(self.group) == 0:
+        if self._rank == 0:
             fs, path = _fs(self._path(step))
             manifest.sign_if_secret(fs, path)
 
-    def abandon(self) -> None:
+    def _signed_when_written(self, written: Future, step: int) -> Future:
+        """A future that completes once ``written`` has and its checkpoint is signed.
+
+        The signature is written by the save's own completion, not by whoever waits for it: a
+        save that completes after the training thread abandoned it (a fault came first) is a
+        good checkpoint, and an unsigned one would be refused as the cold fallback.
+        """
+        signed: Future = Future()
+
+        def sign_then_complete(done: Future) -> None:
+            try:
+                done.result()
+                self._sign(step)
+            except Exception as e:  # reported to whoever waits; never raised on DCP's thread
+                signed.set_exception(e)
+            else:
+                signed.set_result(step)
+
+        written.add_done_callback(sign_then_complete)
+        return signed
+
+    def abandon(self) -> Future | None:
         """Stop waiting for a save in progress (after a fault: its group is being torn down).
 
-        A save cut short never counts: DCP writes its metadata file last.
+        A save cut short never counts: DCP writes its metadata file last. One that still
+        completes is signed and counts like any other.
+
+        Returns:
+            The abandoned save's future (done once it is written and signed), or None.
         """
-        if self._pending is not None:
+        pending = self._pending
+        if pending is not None:
             logger.warning("abandoning the checkpoint of step %d in progress", self._pending_step)
         self._pending = None
+        return pending
 
     def load(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """Load a checkpoint (the latest complete one by default) into the live state.

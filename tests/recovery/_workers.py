@@ -105,6 +105,27 @@ def checkpoint_round_trip(root: str) -> dict:
     }
 
 
+def abandoned_save_still_counts(root: str) -> dict:
+    """An async save abandoned by a fault still completes, is signed, and is the fallback."""
+    from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
+
+    torch.manual_seed(77 + dist.get_rank())
+    model, opt, sched = _setup("tiny")
+    state = TrainingState(model, opt, sched)
+    ckpt = ColdCheckpointer(CheckpointConfig(root=root, every_steps=2), state)
+    for step in (1, 2):
+        _train_step(model, opt, sched, step)
+        ckpt.maybe_save(step, extras={"offset": step})
+    saved = live_digest(state, 2)
+    abandoned = ckpt.abandon()  # a fault right after the save started: nobody waits for it
+    assert abandoned is not None
+    abandoned.result(timeout=120)
+    dist.barrier()  # rank 0's signature is on disk before anyone lists the checkpoints
+    _train_step(model, opt, sched, 3)
+    loaded_step, extras = ckpt.load()
+    return {"loaded_step": loaded_step, "extras": extras, "equal": live_digest(state, 2) == saved}
+
+
 def resume_in_fresh_job(root: str) -> dict:
     """A new job (fresh processes and model) resumes from the latest checkpoint."""
     from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
