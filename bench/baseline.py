@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.faults import Fault
+from bench.faults import COORDINATOR_KINDS, Fault
 from bench.runner import example_args
 from launcher.events import read_json_lines
 
@@ -83,8 +83,9 @@ def run_baseline(
     timeline_path.unlink(missing_ok=True)
     out = run_dir / "out"
     ckpt = checkpoint_dir or str(run_dir / "checkpoints")
-    # There is no recovery to hit, and a bit flip is not a crash: neither applies here.
-    usable = [f for f in faults if f.kind not in ("during-recovery", "bitflip")]
+    # There is no recovery to hit, a bit flip is not a crash, and a restarted job has no
+    # standby coordinator: none of those applies here.
+    usable = [f for f in faults if f.kind not in ("during-recovery", "bitflip", *COORDINATOR_KINDS)]
     cmd = [
         sys.executable,
         "-m",

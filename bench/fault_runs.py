@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import phases
 from bench.baseline import run_baseline
-from bench.faults import Fault, parse_fault, random_faults
+from bench.faults import COORDINATOR_KINDS, Fault, parse_fault, random_faults
 from bench.runner import JobOutcome, bitwise_differences, run_example, run_script
 
 
@@ -100,8 +100,16 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
                 f"{f}: {'node' if f.kind == 'kill-node' else 'rank'} {f.target} does not exist "
                 f"({args.nnodes} nodes x {args.nproc_per_node} ranks)"
             )
-        if f.kind != "during-recovery" and not 1 <= f.at <= args.steps:
+        if not f.in_recovery and not 1 <= f.at <= args.steps:
             raise UsageError(f"{f}: step {f.at} is outside 1..{args.steps} (--steps)")
+        takes_coordinator = f.kind in COORDINATOR_KINDS or (f.kind == "kill-node" and f.target == 0)
+        if takes_coordinator and args.nnodes < 2:
+            raise UsageError(f"{f}: a standby coordinator runs on node 1: use --nnodes 2 or more")
+        if f.kind == "kill-node" and f.target == 0 and args.nnodes < 3:
+            raise UsageError(
+                f"{f}: node 0 runs the active coordinator, and its standby takes over with the "
+                "votes of more than half the nodes: use --nnodes 3 or more"
+            )
     if args.steps < 2 or args.nnodes < 1 or args.nproc_per_node < 1:
         raise UsageError("--steps must be >= 2, --nnodes and --nproc-per-node >= 1")
     replicas = getattr(args, "replicas", 1)
@@ -123,7 +131,7 @@ def spares_for(
     assignment)."""
     lost = 0
     for f in faults:
-        if f.kind == "bitflip":
+        if f.kind == "bitflip" or f.kind in COORDINATOR_KINDS:
             continue
         if f.kind == "kill-node":
             lost += nproc_per_node

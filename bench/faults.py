@@ -19,7 +19,13 @@ A fault is written as ``kind:target@when[:phase=...]``:
                                           corruption: nothing crashes, the state diverges, and
                                           only the bitwise check against a fault-free run
                                           catches it)
+``kill-coordinator@step=30``              SIGKILL the active coordinator at step 30 (its standby
+                                          takes over; training does not stop)
+``hang-coordinator@step=30``              SIGSTOP the active coordinator at step 30 (it is
+                                          fenced off if it ever runs again)
 ========================================  =====================================================
+
+A node loss of node 0 (``kill-node:node=0``) takes the active coordinator with it.
 
 The faults a job should suffer are passed to its ranks as JSON in ``P2P_INJECT``; each rank arms
 an :class:`Injector` on its protected job. Every fault fires once per job (a marker file in the
@@ -37,6 +43,7 @@ import os
 import random
 import re
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,11 +63,16 @@ KINDS = (
     "during-replication",
     "during-recovery",
     "bitflip",
+    "kill-coordinator",
+    "hang-coordinator",
 )
+#: Faults of the control plane, not of a rank: they name no target.
+COORDINATOR_KINDS = ("kill-coordinator", "hang-coordinator")
 STEP_PHASES = ("forward", "backward", "optimizer", "replication")
 RECOVERY_PHASES = ("communicators", "plan", "build", "transfer", "restore", "replicate")
 _SPEC = re.compile(
-    r"^(?P<kind>[a-z-]+):(?P<key>rank|node)=(?P<target>\d+)@(?P<when>step|recovery)=(?P<at>\d+)"
+    r"^(?P<kind>[a-z-]+)(?::(?P<key>rank|node)=(?P<target>\d+))?@(?P<when>step|recovery)="
+    r"(?P<at>\d+)"
     r"(?::phase=(?P<phase>[a-z]+))?$"
 )
 
@@ -81,7 +93,15 @@ class Fault:
         """A stable name (marker files, reports)."""
         return f"{self.kind}-{self.target}-{self.at}-{self.phase}"
 
+    @property
+    def in_recovery(self) -> bool:
+        """Whether it fires during a recovery (``at`` is then the recovery's ordinal)."""
+        return self.kind == "during-recovery" or self.phase in RECOVERY_PHASES
+
     def __str__(self) -> str:
+        if self.kind in COORDINATOR_KINDS:
+            when = "recovery" if self.in_recovery else "step"
+            return f"{self.kind}@{when}={self.at}:phase={self.phase}"
         key = "node" if self.kind == "kill-node" else "rank"
         when = "recovery" if self.kind == "during-recovery" else "step"
         return f"{self.kind}:{key}={self.target}@{when}={self.at}:phase={self.phase}"
@@ -97,20 +117,25 @@ def parse_fault(spec: str) -> Fault:
     usage = (
         "write kill:rank=R@step=S[:phase=forward|backward|optimizer|replication], "
         "hang:rank=R@step=S, kill-node:node=N@step=S, kill-buddies:rank=R@step=S, "
-        "during-replication:rank=R@step=S, during-recovery:rank=R@recovery=K[:phase=P] or "
-        "bitflip:rank=R@step=S"
+        "during-replication:rank=R@step=S, during-recovery:rank=R@recovery=K[:phase=P], "
+        "bitflip:rank=R@step=S, kill-coordinator@step=S or hang-coordinator@step=S "
+        "(or @recovery=K[:phase=P]: in the middle of a recovery)"
     )
     if not m:
         raise ValueError(f"bad fault spec {spec!r}: {usage}")
     kind, key, when = m["kind"], m["key"], m["when"]
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {spec!r}: {usage}")
-    if (key == "node") != (kind == "kill-node"):
+    if (key is None) != (kind in COORDINATOR_KINDS):
+        what = "names no rank or node" if kind in COORDINATOR_KINDS else "needs a target"
+        raise ValueError(f"{kind} {what}: {usage}")
+    if key is not None and (key == "node") != (kind == "kill-node"):
         raise ValueError(f"{kind} targets a {'node' if kind == 'kill-node' else 'rank'}: {usage}")
-    if (when == "recovery") != (kind == "during-recovery"):
+    in_recovery = when == "recovery"
+    if in_recovery != (kind == "during-recovery") and kind not in COORDINATOR_KINDS:
         raise ValueError(f"{kind} happens at a {'recovery' if when == 'step' else 'step'}: {usage}")
-    phases = RECOVERY_PHASES if kind == "during-recovery" else STEP_PHASES
-    default = {"during-recovery": "plan", "during-replication": "replication"}.get(kind, "forward")
+    phases = RECOVERY_PHASES if in_recovery else STEP_PHASES
+    default = "plan" if in_recovery else {"during-replication": "replication"}.get(kind, "forward")
     phase = m["phase"] or default
     if phase not in phases:
         raise ValueError(f"phase {phase!r} of {spec!r} is not one of {', '.join(phases)}")
@@ -119,7 +144,7 @@ def parse_fault(spec: str) -> Fault:
     at = int(m["at"])
     if at < 1:
         raise ValueError(f"{spec!r}: steps and recoveries count from 1")
-    return Fault(kind, int(m["target"]), at, phase)
+    return Fault(kind, int(m["target"] or 0), at, phase)
 
 
 def random_faults(
@@ -152,6 +177,20 @@ def from_env(value: str | None = None) -> list[Fault]:
     """The faults in ``P2P_INJECT`` (none when it is unset)."""
     raw = os.environ.get(ENV_INJECT, "") if value is None else value
     return [Fault(**d) for d in json.loads(raw)] if raw else []
+
+
+def _resume_after_takeover(pid: int, run_dir: Path, deadline_s: float = 120.0) -> None:
+    """SIGCONT a hung coordinator once a standby has taken over: it must find itself fenced
+    off (its term is older than everyone's) and change nothing."""
+    from launcher.events import read_events
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if any(e["event"] == "takeover" and "term" in e for e in read_events(run_dir)):
+            break
+        time.sleep(0.2)  # polls the job's event log; not a stand-in for a handshake
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 class Injector:
@@ -211,6 +250,8 @@ class Injector:
 
     def _mine(self, fault: Fault) -> bool:
         rank = self._rank()
+        if fault.kind in COORDINATOR_KINDS:
+            return rank == 0  # any rank would do: rank 0 always exists
         if fault.kind == "kill-node":
             return int(os.environ.get("GROUP_RANK", "-1")) == fault.target
         if fault.kind == "kill-buddies":
@@ -221,7 +262,7 @@ class Injector:
 
     def _maybe(self, phase: str, step: int) -> None:
         for fault in self.faults:
-            if fault.kind == "during-recovery" or fault.phase != phase or fault.at != step:
+            if fault.in_recovery or fault.phase != phase or fault.at != step:
                 continue
             if self._mine(fault):
                 self._fire(fault)
@@ -229,7 +270,7 @@ class Injector:
     def _maybe_recovery(self, phase: str) -> None:
         ordinal = len(self._job.recoveries) + 1  # the recovery in progress
         for fault in self.faults:
-            here = fault.kind == "during-recovery" and (fault.phase, fault.at) == (phase, ordinal)
+            here = fault.in_recovery and (fault.phase, fault.at) == (phase, ordinal)
             if here and self._mine(fault):
                 self._fire(fault)
 
@@ -278,6 +319,17 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind in COORDINATOR_KINDS:
+            # The active coordinator of the job (the one node 0 started, until a takeover).
+            doc = json.loads((self.markers.parent / "coordinator.json").read_text())
+            pid = int(doc["pid"])
+            if fault.kind == "kill-coordinator":
+                os.kill(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                threading.Thread(
+                    target=_resume_after_takeover, args=(pid, self.markers.parent), daemon=True
+                ).start()
         elif fault.kind == "kill-buddies":
             self._kill_together(fault)
         else:

@@ -19,6 +19,7 @@ the checkpoint's step to the reached step).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +57,41 @@ def injected_faults(events: Sequence[Event]) -> list[tuple[str, float]]:
         if e["event"] == "fault_injected":
             first[e["fault"]] = min(first.get(e["fault"], e["t"]), e["t"])
     return sorted(first.items(), key=lambda kv: kv[1])
+
+
+def coordinator_fault(events: Sequence[Event], spec: str, t_fault: float) -> dict[str, Any]:
+    """A fault of the active coordinator: how long until a standby took over, and how the
+    training went meanwhile (it never waits for the control plane, so no recovery runs).
+
+    ``slowest_step_ratio``: over every rank, its slowest step overlapping the window from the
+    fault to the takeover, over the median of its own steps before the fault.
+    """
+    took = next(
+        (e["t"] for e in events if e["event"] == "takeover" and e["t"] >= t_fault and "term" in e),
+        None,
+    )
+    if took is None:
+        return {"spec": spec, "t_fault": t_fault, "error": "no standby took over"}
+    ratio: float | None = None
+    in_window = 0
+    for source in {e["source"] for e in events if e["event"] == "step_done"}:
+        ends = sorted(e["t"] for e in events if e["event"] == "step_done" and e["source"] == source)
+        durations = [(a, b - a) for a, b in itertools.pairwise(ends)]
+        before = sorted(d for a, d in durations if a + d < t_fault)
+        window = [d for a, d in durations if a + d >= t_fault and a <= took]
+        if before and window:
+            in_window = max(in_window, len(window))
+            worst = max(window) / before[len(before) // 2]
+            ratio = worst if ratio is None else max(ratio, worst)
+    return {
+        "spec": spec,
+        "t_fault": t_fault,
+        "takeover_s": took - t_fault,
+        "steps_in_window": in_window,
+        "slowest_step_ratio": ratio,
+        "downtime_s": 0.0,
+        "recovery_s": 0.0,
+    }
 
 
 def not_fired(scheduled: Sequence[str], events: Sequence[Event]) -> list[str]:
@@ -99,6 +135,9 @@ def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
         if spec.startswith("bitflip"):
             # Silent data corruption: nothing crashes, so there is nothing to recover from.
             out.append({"spec": spec, "t_fault": t_fault, "silent": True})
+            continue
+        if spec.startswith(("kill-coordinator", "hang-coordinator")):
+            out.append(coordinator_fault(events, spec, t_fault))
             continue
         seen = _first(events, "fault", t_fault)
         done = [e for e in events if e["event"] == "recovery_done" and e["t"] >= t_fault]

@@ -25,6 +25,7 @@ import zmq
 
 from launcher import protocol
 from launcher.events import EventLog
+from launcher.link import CoordinatorLinks
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class _Child:
     pidfd: int
 
 
+#: How long an exit report is kept to be sent again to a coordinator that takes over.
+_EXITS_KEPT_S = 60.0
+
+
 class Agent:
     """Runs one node of a job until the coordinator ends it or a signal arrives."""
 
@@ -90,6 +95,11 @@ class Agent:
         """Port of torch's TCPStore when p2p-run was given ``--env-store`` (else 0)."""
         self.end_reason: str | None = None
         """The coordinator's reason when it ended the job."""
+        self.links: CoordinatorLinks | None = None
+        self._voted_for: tuple[int, str] | None = None
+        self._exits: list[tuple[float, dict]] = []
+        """Exits reported lately: sent again to a coordinator that takes over (the one they
+        went to may have died before acting on them)."""
 
     # -- children ------------------------------------------------------------------------------
 
@@ -106,7 +116,7 @@ class Agent:
                 "GROUP_RANK": str(cfg.node_rank),
                 "GROUP_WORLD_SIZE": str(cfg.nnodes),
                 "MASTER_ADDR": host,
-                protocol.ENV_COORDINATOR: cfg.coordinator,
+                protocol.ENV_COORDINATOR: self._coordinators(),
                 protocol.ENV_JOB_ID: cfg.job_id,
                 protocol.ENV_SECRET_FILE: cfg.secret_file,
                 protocol.ENV_ROLE: role,
@@ -132,6 +142,13 @@ class Agent:
             env["LOCAL_RANK"] = str(local_rank)
         return env
 
+    def _coordinators(self) -> str:
+        """Every coordinator known now, the active one first (``P2P_COORDINATOR``)."""
+        if self.links is None:
+            return self.config.coordinator
+        others = [a for a in self.links.sockets if a != self.links.active]
+        return ",".join([self.links.active, *others])
+
     def _spawn(self, role: str, rank: int | None = None, local_rank: int | None = None) -> None:
         self._spawned += 1
         identity = f"{role}/{self.config.node_rank}/{self._spawned}"
@@ -151,7 +168,7 @@ class Agent:
         local = next(i for i in itertools.count(self.config.nproc_per_node) if i not in taken)
         self._spawn("spare", None, local)
 
-    def _reap(self, pidfd: int, sock: zmq.Socket) -> None:
+    def _reap(self, pidfd: int) -> None:
         child = self.children.pop(pidfd)
         code = child.proc.wait()
         os.close(pidfd)
@@ -162,17 +179,17 @@ class Agent:
             code=code,
             rank=child.rank,
         )
-        self._send(
-            sock,
-            protocol.EXITED,
-            {
-                "identity": child.identity,
-                "pid": child.proc.pid,
-                "code": code,
-                "rank": child.rank,
-                "role": child.role,
-            },
-        )
+        body = {
+            "identity": child.identity,
+            "pid": child.proc.pid,
+            "code": code,
+            "rank": child.rank,
+            "role": child.role,
+        }
+        now = time.monotonic()
+        self._exits = [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S][-1000:]
+        self._exits.append((now, body))
+        self._send(protocol.EXITED, body)
 
     def _kill(self, identity: str, pid: int, reason: str) -> None:
         for child in self.children.values():
@@ -200,18 +217,15 @@ class Agent:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _send(self, sock: zmq.Socket, type_: str, body: dict) -> None:
-        sock.send_multipart(self.codec.encode(type_, body))
+    def _send(self, type_: str, body: dict) -> None:
+        assert self.links is not None
+        self.links.send(type_, body)
 
     def run(self) -> int:
         """Start the node's processes and serve until the job ends; returns the exit code."""
         cfg = self.config
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
-        sock.setsockopt(zmq.LINGER, 500)
-        protocol.harden_socket(sock)
-        sock.connect(f"tcp://{cfg.coordinator}")
+        self.links = links = CoordinatorLinks(ctx, self.identity, self.codec, [cfg.coordinator])
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         old_wakeup = signal.set_wakeup_fd(wake_w)
@@ -220,7 +234,6 @@ class Agent:
         }
         try:
             self._send(
-                sock,
                 protocol.HELLO,
                 {
                     "role": "agent",
@@ -230,11 +243,14 @@ class Agent:
                     "nproc_per_node": cfg.nproc_per_node,
                 },
             )
-            first = self._await_welcome(sock)
+            first = self._await_welcome(links.active_socket)
             if first.type == protocol.SHUTDOWN:
                 reason = first.body.get("reason", "")
                 raise AgentError(f"the coordinator refused this node: {reason}")
             self.env_store_port = int(first.body.get("env_store_port", 0))
+            for address in first.body.get("standbys", [])[:8]:
+                if isinstance(address, str):
+                    links.add(address)
             if cfg.node_rank < cfg.nnodes:
                 for local in range(cfg.nproc_per_node):
                     self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
@@ -245,7 +261,7 @@ class Agent:
                 # the coordinator grows into.
                 for _ in range(cfg.nproc_per_node + cfg.spares):
                     self._spawn_spare()
-            return self._serve(sock, wake_r)
+            return self._serve(links, wake_r)
         finally:
             self.terminate_all()
             signal.set_wakeup_fd(old_wakeup)
@@ -253,7 +269,7 @@ class Agent:
                 signal.signal(s, h)
             os.close(wake_r)
             os.close(wake_w)
-            sock.close(linger=500)
+            links.close()
             ctx.term()
             self.events.close()
 
@@ -275,25 +291,26 @@ class Agent:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signal = signum
 
-    def _serve(self, sock: zmq.Socket, wake_r: int) -> int:
+    def _serve(self, links: CoordinatorLinks, wake_r: int) -> int:
         next_beat = 0.0
         self._heard = time.monotonic()
         while True:
             poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
+            for sock in links.sockets.values():
+                poller.register(sock, zmq.POLLIN)
             poller.register(wake_r, zmq.POLLIN)
             for pidfd in self.children:
                 poller.register(pidfd, zmq.POLLIN)
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
             for item, _ in poller.poll(timeout_ms):
-                if item is sock:
-                    code = self._receive(sock)
-                    if code is not None:
-                        return code
-                elif item == wake_r:
+                if item == wake_r:
                     os.read(wake_r, 4096)
                 elif item in self.children:
-                    self._reap(item, sock)
+                    self._reap(item)
+                else:
+                    code = self._receive(links, item)
+                    if code is not None:
+                        return code
             if self._signal is not None:
                 self.events.write("agent_interrupted", signal=self._signal)
                 return 128 + self._signal
@@ -301,25 +318,58 @@ class Agent:
             if silent > self.config.coordinator_timeout_s:
                 self.events.write("coordinator_lost", silent_s=silent)
                 raise AgentError(
-                    f"no word from the coordinator at {self.config.coordinator} for "
+                    f"no word from any coordinator ({', '.join(links.sockets)}) for "
                     f"{silent:.0f}s; stopping this node's processes"
                 )
             if time.monotonic() >= next_beat:
-                self._send(sock, protocol.HEARTBEAT, {})
+                self._send(protocol.HEARTBEAT, {})
                 next_beat = time.monotonic() + self.config.heartbeat_interval_s
 
-    def _receive(self, sock: zmq.Socket) -> int | None:
-        for msg in self.codec.drain(sock):
+    def _receive(self, links: CoordinatorLinks, sock: zmq.Socket) -> int | None:
+        received = links.receive(sock)
+        if received.takeover:
+            self._heard = time.monotonic()
+            self.events.write("coordinator_takeover", coordinator=links.active, term=links.term)
+            self._send(protocol.HEARTBEAT, {})
+            now = time.monotonic()
+            for _, body in [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S]:
+                self._send(protocol.EXITED, body)
+        for msg in received.messages:
+            if msg.type == protocol.VOTE:
+                self._vote(links, sock, msg)
+                continue
             self._heard = time.monotonic()
             if msg.type == protocol.KILL:
                 body = msg.body
                 self._kill(body["identity"], body["pid"], str(body.get("reason", "")))
             elif msg.type == protocol.SPAWN_SPARE:
                 self._spawn_spare()
+            elif msg.type == protocol.STANDBYS:
+                for address in msg.body["addresses"][:8]:
+                    if isinstance(address, str):
+                        links.add(address)
             elif msg.type == protocol.SHUTDOWN:
                 self.events.write("agent_shutdown", **msg.body)
                 self.end_reason = str(msg.body.get("reason", ""))
                 return int(msg.body.get("code", 0))
+        return None
+
+    def _vote(self, links: CoordinatorLinks, sock: zmq.Socket, msg: protocol.Message) -> None:
+        """A standby asks to take over in a newer term: yes only if this node lost the active
+        coordinator too; once granted, no message of an older term counts here again."""
+        address = links.address_of(sock)
+        silence = float(msg.body.get("silence_s", 1.0)) / 2
+        silent = time.monotonic() - self._heard
+        again = self._voted_for == (msg.term, msg.sender)  # its answer may have been lost
+        granted = address is not None and (again or (msg.term > links.term and silent >= silence))
+        if granted and not again:
+            self._voted_for = (msg.term, msg.sender)
+            links.adopt(msg.term, None)
+            self.events.write(
+                "voted", coordinator=msg.sender, term=msg.term, silent_s=round(silent, 3)
+            )
+        if address is not None:
+            links.send_to(address, protocol.VOTED, {"granted": granted})
 
 
 def run_agent(config: AgentConfig, on_end: Callable[[int, str], None] | None = None) -> int:

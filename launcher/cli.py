@@ -163,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
         "with an error, seconds (default 30)",
     )
     p.add_argument(
+        "--standby-coordinators",
+        default=None,
+        help="node ranks that run a standby coordinator, which takes over when the active one "
+        "falls silent, comma-separated, or 'none' (default: node 1 when there are 2+ nodes)",
+    )
+    p.add_argument(
+        "--takeover-timeout",
+        type=float,
+        default=2.0,
+        help="silence of the active coordinator after which a standby asks the nodes for "
+        "their votes to take over, seconds (default 2)",
+    )
+    p.add_argument(
         "--run-dir",
         default=None,
         help="directory for the event log, secret and coordinator address, shared by every "
@@ -318,6 +331,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError("--resume needs --checkpoint-dir (where to resume from)")
     if args.checkpoint_every < 1:
         raise UsageError("--checkpoint-every must be >= 1")
+    standby_nodes(args.standby_coordinators, args.nnodes)
+    if not 0 < args.takeover_timeout < args.coordinator_timeout:
+        raise UsageError(
+            f"--takeover-timeout {args.takeover_timeout} must be > 0 and below "
+            f"--coordinator-timeout {args.coordinator_timeout}"
+        )
     if args.coordinator_timeout <= 1.0:
         raise UsageError(
             "--coordinator-timeout must be more than 1 s (the coordinator beats at 2 Hz)"
@@ -347,11 +366,46 @@ def _secret_file(args: argparse.Namespace, run_dir: Path) -> str:
     return str(path)
 
 
-def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> tuple:
+def standby_nodes(spec: str | None, nnodes: int) -> list[int]:
+    """The node ranks of ``--standby-coordinators`` (default: node 1 of a 2+ node job).
+
+    Raises:
+        UsageError: not a list of node ranks of this job other than 0.
+    """
+    if spec is None:
+        return [1] if nnodes >= 2 else []
+    if spec.strip().lower() == "none":
+        return []
+    try:
+        nodes = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise UsageError(
+            f"--standby-coordinators {spec!r} is not a comma-separated list of node ranks "
+            "(or 'none')"
+        ) from None
+    bad = [n for n in nodes if not 0 < n < nnodes]
+    if bad:
+        raise UsageError(
+            f"--standby-coordinators {spec!r}: node(s) {bad} cannot run a standby (node 0 runs "
+            f"the active coordinator; this job has nodes 0..{nnodes - 1})"
+        )
+    return nodes
+
+
+def _start_coordinator(
+    args: argparse.Namespace, run_dir: Path, secret: str, standby_of: str | None = None
+) -> tuple:
     host, port = "127.0.0.1", 0
     if args.coordinator:
         host, _, p = args.coordinator.rpartition(":")
         port = int(p)
+    advertise = host
+    if standby_of is not None:
+        # A standby listens on this node: on loopback when the job does, else everywhere,
+        # announced under this host's name.
+        port = 0
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            host, advertise = "0.0.0.0", socket.gethostname()
     if port:
         with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
             # As ZeroMQ binds: a previous run's connections in TIME_WAIT do not hold the port.
@@ -362,7 +416,9 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
                 raise UsageError(
                     f"cannot start the coordinator on {host}:{port}: {e.strerror}"
                 ) from None
-    address_file = run_dir / COORDINATOR_FILE
+    address_file = run_dir / (
+        COORDINATOR_FILE if standby_of is None else f"coordinator-{args.node_rank}.json"
+    )
     address_file.unlink(missing_ok=True)
     cmd = [
         sys.executable,
@@ -407,6 +463,9 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         cmd += ["--allowed-sizes", ",".join(map(str, args.allowed_sizes))]
     if args.env_store:
         cmd.append("--env-store")
+    cmd += ["--takeover-timeout", str(args.takeover_timeout)]
+    if standby_of is not None:
+        cmd += ["--standby-of", standby_of, "--node", str(args.node_rank), "--advertise", advertise]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + _COORDINATOR_START_S
     while not address_file.exists():
@@ -420,6 +479,8 @@ def _start_coordinator(args: argparse.Namespace, run_dir: Path, secret: str) -> 
         except subprocess.TimeoutExpired:
             pass
     info = json.loads(address_file.read_text())
+    if standby_of is not None:
+        return proc, info["address"]
     return proc, f"{host}:{info['port']}"
 
 
@@ -488,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         address = args.coordinator
         if args.node_rank == 0:
             coordinator, address = _start_coordinator(args, run_dir, secret)
+        elif args.node_rank in standby_nodes(args.standby_coordinators, args.nnodes):
+            coordinator, _ = _start_coordinator(args, run_dir, secret, standby_of=address)
         command = (
             (sys.executable, "-u", "-m", args.script, *args.script_args)
             if args.module

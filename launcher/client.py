@@ -1,6 +1,7 @@
 """The rank-side control-plane client: what a training process (or a spare) talks through.
 
-One DEALER socket to the coordinator, owned by one background thread: it sends a heartbeat every
+One DEALER socket per coordinator (the active one and its standbys, :mod:`launcher.link`),
+owned by one background thread: it sends a heartbeat every
 interval, sends what the training thread queues (replication reports, errors, acknowledgements),
 and delivers what arrives (generations, shutdown) to a thread-safe queue and an optional
 callback. ZeroMQ sockets are not thread-safe, so the training thread never touches the socket:
@@ -33,8 +34,12 @@ import zmq
 
 from launcher import protocol
 from launcher.events import EventLog
+from launcher.link import CoordinatorLinks
 
 logger = logging.getLogger(__name__)
+
+#: How long a hello may go unanswered before it is sent again (to the next coordinator known).
+_HELLO_RETRY_S = 2.0
 
 
 class ControlPlaneTimeout(TimeoutError):
@@ -46,7 +51,8 @@ class ClientConfig:
     """How a process reaches the coordinator (normally read from ``P2P_*`` variables)."""
 
     coordinator: str
-    """``host:port``."""
+    """``host:port`` of the coordinator to start with (a comma-separated list: then its
+    standbys)."""
     job_id: str
     secret_file: str
     identity: str
@@ -55,6 +61,11 @@ class ClientConfig:
     heartbeat_interval_s: float = 0.5
     run_dir: str | None = None
     """Where the job's event log lives (``None``: events are not written)."""
+
+    @property
+    def coordinators(self) -> list[str]:
+        """Every coordinator address given, the first one first."""
+        return [a.strip() for a in self.coordinator.split(",") if a.strip()]
 
     @classmethod
     def from_env(cls) -> ClientConfig:
@@ -123,6 +134,9 @@ class ControlClient:
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._welcome = threading.Event()
         self.store_port = 0
+        self.store_host = config.coordinators[0].rsplit(":", 1)[0]
+        self._last_ack: tuple[dict, int] | None = None
+        self._last_replicated: dict | None = None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="p2p-control-client", daemon=True)
@@ -167,7 +181,7 @@ class ControlClient:
                 f"no answer from the coordinator at {self.config.coordinator} within "
                 f"{timeout_s:.0f}s; is p2p-run's coordinator running?"
             )
-        return self.config.coordinator.rsplit(":", 1)[0], self.store_port
+        return self.store_host, self.store_port
 
     def next_event(self, timeout_s: float) -> tuple[str, dict[str, Any]]:
         """The next ``(type, body)`` from the coordinator (``generation`` or ``shutdown``).
@@ -229,55 +243,87 @@ class ControlClient:
 
     # -- background thread ---------------------------------------------------------------------
 
+    @staticmethod
+    def _connect_standbys(links: CoordinatorLinks, poller: zmq.Poller, addresses: list) -> None:
+        for address in addresses[:8]:
+            if isinstance(address, str) and (sock := links.add(address)) is not None:
+                poller.register(sock, zmq.POLLIN)
+
     def _post(self, type_: str, body: dict, generation: int = 0) -> None:
         self._outbox.put((type_, body, generation))
         os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.config.identity.encode())
-        sock.setsockopt(zmq.LINGER, 500)
-        protocol.harden_socket(sock)
-        sock.connect(f"tcp://{self.config.coordinator}")
+        links = CoordinatorLinks(ctx, self.config.identity, self._codec, self.config.coordinators)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        for sock in links.sockets.values():
+            poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         hello = {"role": self.config.role, "node": self.config.node, "pid": os.getpid()}
         if self.rank is not None:
             hello["rank"] = self.rank
-        sock.send_multipart(self._codec.encode(protocol.HELLO, hello))
+        links.send(protocol.HELLO, hello)
+        next_hello = time.monotonic() + _HELLO_RETRY_S
         next_beat = time.monotonic() + self.config.heartbeat_interval_s
         try:
             while not self._stop.is_set():
-                timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+                if not self._welcome.is_set() and time.monotonic() >= next_hello:
+                    # Unanswered: the coordinator may have died before it heard us. Say hello
+                    # to the next one known (a standby that took over answers).
+                    links.rotate()
+                    links.send(protocol.HELLO, hello)
+                    next_hello = time.monotonic() + _HELLO_RETRY_S
+                wait_s = next_beat if self._welcome.is_set() else min(next_beat, next_hello)
+                timeout_ms = max(0.0, wait_s - time.monotonic()) * 1000
                 for item, _ in poller.poll(timeout_ms):
-                    if item is sock:
-                        self._receive(sock)
-                    else:
+                    if item == self._wake_r:
                         os.read(self._wake_r, 4096)
-                self._flush(sock)
+                    else:
+                        self._receive(links, item, poller)
+                self._flush(links)
                 if time.monotonic() >= next_beat:
-                    sock.send_multipart(self._codec.encode(protocol.HEARTBEAT))
+                    links.send(protocol.HEARTBEAT)
                     next_beat = time.monotonic() + self.config.heartbeat_interval_s
-            self._flush(sock)  # what was queued before close() still goes out
+            self._flush(links)  # what was queued before close() still goes out
         finally:
-            sock.close(linger=500)
+            links.close()
             ctx.term()
 
-    def _flush(self, sock: zmq.Socket) -> None:
+    def _flush(self, links: CoordinatorLinks) -> None:
         while True:
             try:
                 type_, body, gen = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            sock.send_multipart(self._codec.encode(type_, body, gen))
+            if type_ == protocol.ACK:
+                self._last_ack = (body, gen)
+            elif type_ == protocol.REPLICATED:
+                self._last_replicated = body
+            links.send(type_, body, gen)
 
-    def _receive(self, sock: zmq.Socket) -> None:
-        for msg in self._codec.drain(sock):
+    def _receive(self, links: CoordinatorLinks, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        received = links.receive(sock)
+        if received.takeover:
+            # A standby took over: it knows this process from the state it mirrored; what the
+            # old coordinator may have missed goes again (duplicates change nothing there).
+            links.send(protocol.HEARTBEAT)
+            if self._last_ack is not None:
+                links.send(protocol.ACK, *self._last_ack)
+            if self._last_replicated is not None:
+                links.send(protocol.REPLICATED, self._last_replicated)
+        for msg in received.messages:
             if msg.type == protocol.WELCOME:
                 self.store_port = int(msg.body.get("store_port", 0))
+                self._connect_standbys(links, poller, msg.body.get("standbys", []))
                 self._welcome.set()
+            elif msg.type == protocol.STANDBYS:
+                self._connect_standbys(links, poller, msg.body["addresses"])
+            elif msg.type == protocol.TAKEOVER:
+                # Later generations rendezvous through the new coordinator's store.
+                self.store_host = links.active.rsplit(":", 1)[0]
+                self.store_port = int(msg.body["store_port"])
+                self.events.write("coordinator_takeover", coordinator=msg.sender, term=msg.term)
             elif msg.type in (protocol.GENERATION, protocol.SHUTDOWN, protocol.INTERRUPT):
                 self.inbox.put((msg.type, msg.body))
                 callback = {

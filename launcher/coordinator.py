@@ -8,6 +8,16 @@ every network input goes through :class:`launcher.protocol.Codec` before it can 
 
 Run as ``python -m launcher.coordinator --run-dir DIR ...``: it writes ``coordinator.json``
 (its address and the store's) into the run directory once it is listening.
+
+With ``--standby-of ADDRESS`` it is a *standby*: it mirrors the active coordinator's membership
+(:mod:`launcher.mirror`, pushed by the active one whenever it changes and before any new
+generation goes out), and when the active one falls silent for ``--takeover-timeout`` it asks
+the agents for their votes in the next *term*. An agent votes only when it has lost the active
+coordinator too, and once it votes it obeys no older term; with the votes of more than half
+the job's nodes the standby takes over: it starts its own rendezvous store, tells every process
+(``takeover``), restarts a recovery that was in progress, and acts from then on. Every message
+carries its sender's term; a coordinator that receives a newer term than its own was replaced
+and stops (docs/launcher.md, "No single point of failure").
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from launcher import protocol
+from launcher import mirror, protocol
 from launcher.decisions import End, Event, Generation, Interrupt, Kill, Process, Send, SpawnSpare
 from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
@@ -35,10 +45,12 @@ from launcher.store import StoreServer
 logger = logging.getLogger(__name__)
 
 COORDINATOR_FILE = "coordinator.json"
-#: How often the coordinator tells each agent it is alive.
-AGENT_HEARTBEAT_S = 0.5
+#: How often the coordinator tells each agent (and its standbys) it is alive.
+AGENT_HEARTBEAT_S = 0.2
 _DRAIN_BATCH = 1000
-COORDINATOR_IDENTITY = "coordinator"
+COORDINATOR_IDENTITY = protocol.COORDINATOR
+#: How often a standby that lost the active coordinator asks the agents again for their vote.
+_VOTE_RETRY_S = 0.2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +70,14 @@ class CoordinatorConfig:
     env_store: bool = False
     """Also host torch's (unauthenticated) ``TCPStore`` at ``MASTER_PORT``, for scripts that
     call ``dist.init_process_group()`` themselves."""
-    """Host the torch TCPStore for the ranks' rendezvous (needs torch)."""
+    standby_of: str | None = None
+    """``host:port`` of the active coordinator: this one is its standby."""
+    node: int = 0
+    """The node this coordinator runs on (a standby's identity is ``coordinator/<node>``)."""
+    advertise: str | None = None
+    """``host`` others reach this coordinator at (default: ``host``)."""
+    takeover_timeout_s: float = 2.0
+    """Silence of the active coordinator after which a standby asks for the agents' votes."""
 
 
 class Coordinator:
@@ -67,9 +86,14 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         secret = protocol.read_secret(config.secret_file)
-        self.codec = protocol.Codec(secret, config.job_id, COORDINATOR_IDENTITY)
+        self._secret = secret
+        self.standby = config.standby_of is not None
+        self.identity = (
+            f"{COORDINATOR_IDENTITY}/{config.node}" if self.standby else COORDINATOR_IDENTITY
+        )
+        self.codec = protocol.Codec(secret, config.job_id, self.identity)
         self.membership = Membership(config.membership)
-        self.events = EventLog(config.run_dir, COORDINATOR_IDENTITY)
+        self.events = EventLog(config.run_dir, self.identity)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
@@ -88,7 +112,7 @@ class Coordinator:
         self.store_port = 0
         self.env_store = None
         self.env_store_port = 0
-        if config.host_store:
+        if config.host_store and not self.standby:
             self.store = StoreServer(secret, config.job_id, config.host).start()
             self.store_port = self.store.port
         if config.env_store:
@@ -109,6 +133,36 @@ class Coordinator:
         self.dropped = 0
         self.exit_code: int | None = None
         self._errors_seen: set[tuple[str, str, str]] = set()
+        # Takeover: the standbys the active one mirrors to, and a standby's view of the active.
+        self.standbys: dict[str, str] = {}
+        """identity -> ``host:port`` of each standby that said hello."""
+        self._mirrored = b""
+        self._mirrored_at = 0.0
+        self.clock_offset = 0.0
+        """Added to ``time.monotonic()``: a standby keeps the active coordinator's clock, so
+        the deadlines in the state it mirrored go on where they were."""
+        self._upstream: zmq.Socket | None = None
+        self._heard_active = time.monotonic()
+        self._has_state = False
+        self._mirrored_term = 0
+        self._votes: set[str] = set()
+        self._next_vote = 0.0
+        self._holding = False
+        if self.standby:
+            self._upstream = self.ctx.socket(zmq.DEALER)
+            self._upstream.setsockopt(zmq.IDENTITY, self.identity.encode())
+            self._upstream.setsockopt(zmq.LINGER, 0)
+            protocol.harden_socket(self._upstream)
+            self._upstream.connect(f"tcp://{config.standby_of}")
+
+    @property
+    def address(self) -> str:
+        """``host:port`` other processes reach this coordinator at."""
+        return f"{self.config.advertise or self.config.host}:{self.port}"
+
+    def now(self) -> float:
+        """The job's control-plane clock (the first coordinator's ``time.monotonic()``)."""
+        return time.monotonic() + self.clock_offset
 
     def publish_address(self) -> None:
         """Write coordinator.json atomically so agents and tests can find this job."""
@@ -128,18 +182,35 @@ class Coordinator:
         os.replace(tmp, path)
         self.events.write("coordinator_started", port=self.port, store_port=self.store_port)
 
+    def publish_standby(self) -> None:
+        """A standby writes ``coordinator-<node>.json`` (its pid and address) for tools."""
+        path = Path(self.config.run_dir) / f"coordinator-{self.config.node}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"address": self.address, "pid": os.getpid()}))
+        os.replace(tmp, path)
+        self.events.write("standby_started", address=self.address, of=self.config.standby_of)
+
     # -- the loop ------------------------------------------------------------------------------
 
     def serve(self, stop_after_s: float | None = None) -> int:
         """Run until the job ends (returns its exit code) or ``stop_after_s`` passes."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self._upstream is not None:
+            poller.register(self._upstream, zmq.POLLIN)
+            self._send_upstream(protocol.HELLO, self._standby_hello())
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         next_agent_beat = 0.0
         while self.exit_code is None:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            if poller.poll(self.config.tick_s * 1000):
+            ready = dict(poller.poll(self.config.tick_s * 1000))
+            if self._upstream is not None and self._upstream in ready:
+                self._receive_upstream()
+            if self.sock in ready:
                 # Drain what is queued, but at most a bounded batch: deadlines are checked
                 # between batches even under a flood of messages.
                 for _ in range(_DRAIN_BATCH):
@@ -150,18 +221,151 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self.handle_frames(frames)
-            now = time.monotonic()
+            if self.standby:
+                self._standby_tick()
+                continue
+            now = self.now()
             if now >= next_agent_beat:
                 # Agents watch for this: a node whose coordinator is gone cleans up and exits.
                 for identity, proc in list(self.membership.procs.items()):
                     if proc.role == "agent":
                         self._send(identity, protocol.HEARTBEAT, {})
+                for identity in self.standbys:
+                    self._send(identity, protocol.HEARTBEAT, {})
                 next_agent_beat = now + AGENT_HEARTBEAT_S
             try:
-                self._apply(self.membership.tick(now))
+                if self._in_quorum(now):
+                    self._apply(self.membership.tick(now))
+                self._mirror()
             except Exception as e:  # the coordinator must outlive its own bugs: log, go on
                 self._internal_error("tick", e)
         return self.exit_code if self.exit_code is not None else 0
+
+    def _in_quorum(self, now: float) -> bool:
+        """Whether this coordinator hears at least half the job's nodes (so it may decide).
+
+        A coordinator cut off from most nodes cannot tell a partition from their loss; a
+        standby on the other side may take over with their votes (more than half), so this
+        side holds its decisions rather than shrink the job into a second one. Ranks and
+        exits reported by the nodes it hears are still handled.
+        """
+        agents = [i for i, p in self.membership.procs.items() if p.role == "agent"]
+        recent = self.config.membership.heartbeat_timeout_s / 2
+        heard = sum(1 for a in agents if now - self.membership.last_seen.get(a, now) <= recent)
+        holding = len(agents) >= 2 and 2 * heard < len(agents)
+        if holding != self._holding:
+            self._holding = holding
+            self.events.write(
+                "quorum_lost" if holding else "quorum_regained", heard=heard, nodes=len(agents)
+            )
+            if holding:
+                logger.warning(
+                    "in contact with %d of %d nodes: holding every decision", heard, len(agents)
+                )
+        return not holding
+
+    # -- takeover ------------------------------------------------------------------------------
+
+    def _standby_hello(self) -> dict:
+        return {
+            "role": "standby",
+            "node": self.config.node,
+            "pid": os.getpid(),
+            "address": self.address,
+        }
+
+    def _send_upstream(self, type_: str, body: dict) -> None:
+        assert self._upstream is not None
+        try:
+            self._upstream.send_multipart(self.codec.encode(type_, body), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _mirror(self, force: bool = False) -> None:
+        """Push the membership to every standby when it changed (or as a keepalive)."""
+        if not self.standbys:
+            return
+        now = self.now()
+        state = mirror.dump(self.membership)
+        if state == self._mirrored and not force:
+            return  # unchanged: the heartbeats tell the standbys this coordinator lives
+        self._mirrored, self._mirrored_at = state, now
+        for identity in self.standbys:
+            self._send(identity, protocol.STATE, {"state": state, "now": now})
+
+    def _receive_upstream(self) -> None:
+        """A standby reads what the active coordinator sends it."""
+        assert self._upstream is not None
+        for msg in self.codec.drain(self._upstream, expect_sender=COORDINATOR_IDENTITY):
+            if msg.term < self.codec.term:
+                continue  # the coordinator this standby is replacing: too late
+            self._heard_active = time.monotonic()
+            self._votes.clear()
+            if msg.type == protocol.STATE:
+                try:
+                    mirror.load(self.membership, msg.body["state"], float(msg.body["now"]))
+                except ValueError as e:
+                    self._drop(f"state from {msg.sender}: {e}")
+                    continue
+                self.clock_offset = float(msg.body["now"]) - time.monotonic()
+                self._has_state = True
+                self._mirrored_term = msg.term
+            elif msg.type == protocol.SHUTDOWN:
+                self.events.write("standby_shutdown", **msg.body)
+                self.exit_code = 0
+
+    def _standby_tick(self) -> None:
+        """Ask for votes once the active coordinator has been silent too long; win or wait."""
+        silent = time.monotonic() - self._heard_active
+        if silent <= self.config.takeover_timeout_s or not self._has_state:
+            return
+        agents = sorted(i for i, p in self.membership.procs.items() if p.role == "agent")
+        if self.codec.term <= self._mirrored_term:
+            self.codec.term = self._mirrored_term + 1
+            self.events.write("election", term=self.codec.term, silent_s=round(silent, 3))
+            logger.warning(
+                "the active coordinator has been silent for %.1fs: asking %d nodes for term %d",
+                silent,
+                len(agents),
+                self.codec.term,
+            )
+        if time.monotonic() >= self._next_vote:
+            for identity in agents:
+                if identity not in self._votes:
+                    self._send(
+                        identity, protocol.VOTE, {"silence_s": self.config.takeover_timeout_s}
+                    )
+            self._next_vote = time.monotonic() + _VOTE_RETRY_S
+        if agents and 2 * len(self._votes & set(agents)) > len(agents):
+            self._take_over()
+
+    def _take_over(self) -> None:
+        """Become the active coordinator with the mirrored state."""
+        assert self._upstream is not None
+        self._upstream.close(linger=0)
+        self._upstream = None
+        self.standby = False
+        if self.config.host_store:
+            self.store = StoreServer(self._secret, self.config.job_id, self.config.host).start()
+            self.store_port = self.store.port
+        now = self.now()
+        # Every live process answers the takeover at once (its link sends a heartbeat): one
+        # that has not within half the heartbeat timeout is lost, so a node lost with the old
+        # coordinator is found about as fast as one lost on its own.
+        timeout = self.config.membership.heartbeat_timeout_s
+        seen = now - timeout / 2
+        for identity in self.membership.procs:
+            self.membership.heartbeat(identity, seen)
+        self.events.write(
+            "takeover",
+            term=self.codec.term,
+            votes=sorted(self._votes),
+            generation=self.membership.generation,
+        )
+        logger.warning("took over as the active coordinator (term %d)", self.codec.term)
+        for identity in list(self.membership.procs):
+            self._send(identity, protocol.TAKEOVER, {"store_port": self.store_port})
+        self._apply(self.membership.took_over(now))
 
     def _internal_error(self, where: str, e: Exception) -> None:
         key = (where, type(e).__name__, str(e))
@@ -172,7 +376,7 @@ class Coordinator:
 
     def handle_frames(self, frames: list[bytes]) -> None:
         """Authenticate, decode and act on one message; drop anything invalid with a reason."""
-        now = time.monotonic()
+        now = self.now()
         try:
             if len(frames) < 1:
                 raise protocol.Rejected("empty message")
@@ -199,6 +403,20 @@ class Coordinator:
 
     def _dispatch(self, msg: protocol.Message, now: float) -> None:
         body = msg.body
+        if msg.term > self.codec.term:
+            self._fenced(msg)
+            return
+        if self.standby:
+            # Before a takeover a standby acts on nothing but the votes it asked for.
+            if msg.type != protocol.VOTED or not msg.sender.startswith("agent/"):
+                raise ValueError(f"a standby takes no {msg.type} (from {msg.sender})")
+            if msg.term == self.codec.term and body["granted"]:
+                self._votes.add(msg.sender)
+                self.events.write("vote", identity=msg.sender, term=msg.term)
+            return
+        if msg.type == protocol.HELLO and body.get("role") == "standby":
+            self._standby_joined(msg)
+            return
         if msg.type == protocol.SCALE:
             # Only an operator resizes; the schema already made ``size`` an integer (not a bool).
             if not msg.sender.startswith("operator/") or msg.sender in self.membership.procs:
@@ -210,6 +428,10 @@ class Coordinator:
         self.membership.heartbeat(msg.sender, now)
         if msg.type == protocol.HELLO:
             proc = Process(msg.sender, str(body["role"]), int(body["node"]), int(body["pid"]))
+            if self.membership.procs.get(msg.sender) == proc:
+                # The same process again (its first hello went unanswered): welcome it again.
+                self._send(msg.sender, protocol.WELCOME, self._welcome_body())
+                return
             if proc.role not in ("rank", "spare", "agent"):
                 raise ValueError(f"unknown role {proc.role!r}")
             rank = body.get("rank")
@@ -223,15 +445,7 @@ class Coordinator:
                 self.events.write("node_refused", node=proc.node, reason=reason)
                 self._send(msg.sender, protocol.SHUTDOWN, {"code": 2, "reason": reason})
                 return
-            self._send(
-                msg.sender,
-                protocol.WELCOME,
-                {
-                    "store_port": self.store_port,
-                    "env_store_port": self.env_store_port,
-                    "generation": self.membership.generation,
-                },
-            )
+            self._send(msg.sender, protocol.WELCOME, self._welcome_body())
             self.events.write("hello", identity=msg.sender, role=proc.role, node=proc.node)
             self._apply(self.membership.hello(proc, None if rank is None else int(rank), now))
         elif msg.type == protocol.HEARTBEAT:
@@ -284,6 +498,38 @@ class Coordinator:
         else:
             raise ValueError(f"{msg.type} is not a message the coordinator accepts")
 
+    def _welcome_body(self) -> dict:
+        return {
+            "store_port": self.store_port,
+            "env_store_port": self.env_store_port,
+            "generation": self.membership.generation,
+            "standbys": sorted(self.standbys.values()),
+        }
+
+    def _fenced(self, msg: protocol.Message) -> None:
+        """A process obeys a newer term: another coordinator took over; this one stops."""
+        reason = (
+            f"{msg.sender} obeys term {msg.term}, newer than this coordinator's {self.codec.term}"
+        )
+        self.events.write("fenced", reason=reason)
+        logger.warning("replaced by a newer coordinator (%s): stopping", reason)
+        self.exit_code = 0
+
+    def _standby_joined(self, msg: protocol.Message) -> None:
+        """A standby coordinator said hello: mirror to it, and tell everyone where it is."""
+        identity, address = msg.sender, str(msg.body.get("address", ""))
+        host, _, port = address.rpartition(":")
+        if not protocol.is_coordinator(identity) or not host or not port.isdigit():
+            raise ValueError(f"{identity} is not a standby coordinator at host:port ({address!r})")
+        if len(self.standbys) >= 8 and identity not in self.standbys:
+            raise ValueError(f"{identity}: a job has at most 8 standby coordinators")
+        self.standbys[identity] = address
+        self.events.write("standby_joined", identity=identity, address=address)
+        addresses = sorted(self.standbys.values())
+        for other in list(self.membership.procs):
+            self._send(other, protocol.STANDBYS, {"addresses": addresses})
+        self._mirror(force=True)
+
     def _check_reporter(self, sender: str, identity: str) -> None:
         """Only an agent reports an exit, and only of a process of its own node."""
         agent = self.membership.procs.get(sender)
@@ -299,6 +545,7 @@ class Coordinator:
             if isinstance(action, Event):
                 self.events.write(action.name, **action.fields)
             elif isinstance(action, Send):
+                self._mirror()  # the standbys know a generation before any member does
                 self._broadcast(action.generation, action.to)
             elif isinstance(action, Kill):
                 self.events.write(
@@ -327,7 +574,7 @@ class Coordinator:
                 self.events.write("spare_requested", node=action.node)
                 self._send(f"agent/{action.node}", protocol.SPAWN_SPARE, {})
             elif isinstance(action, End):
-                for identity in list(self.membership.procs):
+                for identity in [*self.membership.procs, *self.standbys]:
                     self._send(
                         identity, protocol.SHUTDOWN, {"code": action.code, "reason": action.reason}
                     )
@@ -417,6 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--env-store", action="store_true", help="also host torch's TCPStore for env:// scripts"
     )
+    p.add_argument("--takeover-timeout", type=float, default=2.0)
+    p.add_argument("--standby-of", default=None, help="host:port of the active coordinator")
+    p.add_argument("--node", type=int, default=0, help="the node this coordinator runs on")
+    p.add_argument("--advertise", default=None, help="the host others reach this one at")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -429,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
             run_dir=args.run_dir,
             host_store=not args.no_store,
             env_store=args.env_store,
+            standby_of=args.standby_of,
+            node=args.node,
+            advertise=args.advertise,
+            takeover_timeout_s=args.takeover_timeout,
             membership=MembershipConfig(
                 world_size=args.world_size,
                 ranks_per_node=args.ranks_per_node,
@@ -443,7 +698,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     try:
-        coordinator.publish_address()
+        if coordinator.standby:
+            coordinator.publish_standby()
+        else:
+            coordinator.publish_address()
         return coordinator.serve()
     except KeyboardInterrupt:
         return 130

@@ -397,6 +397,36 @@ class Membership:
         """End the job (a fatal report from a rank); nothing happens if it already ended."""
         return self._end(code, reason)
 
+    def took_over(self, now: float) -> list[Any]:
+        """A standby coordinator took over with this (mirrored) state.
+
+        A generation still pending was being set up through the old coordinator's store,
+        which is gone with it: the same change starts again as the next generation, through
+        the new store (the census finds every copy again). A job between faults goes on
+        untouched: nothing is sent to the ranks.
+        """
+        g = self.stopping or self.pending
+        out: list[Any] = [
+            Event("takeover_state", {"generation": self.generation, "restarted": bool(g)})
+        ]
+        if g is None or self.ended:
+            return out
+        stopping = self.stopping is not None
+        self.pending = None
+        out += self._new_generation(
+            lost=list(g.lost),
+            replaced=g.replaced,
+            now=now,
+            directive=g.directive,
+            reason=g.reason,
+            graceful=g.graceful,
+            renumbered=g.renumbered,
+        )
+        if stopping:  # the stop in progress, through the new store; members exit when done
+            self.stopping = self.pending
+            self.awaiting = set()
+        return out
+
     # -- decisions -----------------------------------------------------------------------------
 
     def _decide(self, now: float) -> list[Any]:

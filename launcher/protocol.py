@@ -39,7 +39,7 @@ import msgpack
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 64
 """ZMQ_MAXMSGSIZE of every control-plane socket: libzmq drops the connection of a peer announcing
@@ -83,6 +83,12 @@ SHUTDOWN = "shutdown"  # coordinator -> everyone: {"reason", "code"}
 INTERRUPT = "interrupt"  # coordinator -> ranks: {"generation", "lost", "wait_s"}: a fault, and
 # the next generation comes within wait_s (a spare is awaited): stop, and wait for it
 WELCOME = "welcome"  # coordinator -> any process after HELLO: {"generation", "store"}
+# Coordinator takeover (docs/launcher.md, "No single point of failure"):
+STANDBYS = "standbys"  # active coordinator -> everyone: {"addresses"}: the standbys to connect to
+STATE = "state"  # active -> standby coordinator: {"state", "now"}: membership, zlib'd msgpack
+VOTE = "vote"  # standby -> agent: may I take over with the term in my envelope?
+VOTED = "voted"  # agent -> standby: {"granted"}
+TAKEOVER = "takeover"  # new active -> everyone: {"store_port"}: talk to me from now on
 
 TYPES = frozenset(
     {
@@ -100,6 +106,11 @@ TYPES = frozenset(
         SHUTDOWN,
         INTERRUPT,
         WELCOME,
+        STANDBYS,
+        STATE,
+        VOTE,
+        VOTED,
+        TAKEOVER,
     }
 )
 
@@ -107,6 +118,7 @@ TYPES = frozenset(
 _INT = (int,)
 _OPT_INT = (int, type(None))
 _STR = (str,)
+_LIST = (list,)
 BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # type -> field -> (accepted types, required). Integers never accept bool; fields not named
     # here are ignored by every receiver.
@@ -116,6 +128,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "pid": (_INT, True),
         "rank": (_OPT_INT, False),
         "world_size": (_INT, False),
+        "address": (_STR, False),
     },
     HEARTBEAT: {},
     REPLICATED: {"step": (_INT, True), "generation": (_OPT_INT, False)},
@@ -138,7 +151,13 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "generation": (_INT, False),
         "store_port": (_INT, False),
         "env_store_port": (_INT, False),
+        "standbys": (_LIST, False),
     },
+    STANDBYS: {"addresses": (_LIST, True)},
+    STATE: {"state": ((bytes,), True), "now": ((float,), True)},
+    VOTE: {"silence_s": ((float,), False)},
+    VOTED: {"granted": ((bool,), True)},
+    TAKEOVER: {"store_port": (_INT, True)},
 }
 _MAX_ABS_INT = 2**62
 
@@ -241,6 +260,15 @@ def raise_descriptor_limit() -> int:
     return soft
 
 
+COORDINATOR = "coordinator"
+"""The identity of the coordinator a job starts with; a standby on node N is ``coordinator/N``."""
+
+
+def is_coordinator(identity: str) -> bool:
+    """Whether ``identity`` names a coordinator (the first one or a standby)."""
+    return identity == COORDINATOR or identity.startswith(COORDINATOR + "/")
+
+
 class Rejected(ValueError):
     """A received message failed a check; ``reason`` says which."""
 
@@ -259,6 +287,9 @@ class Message:
     seq: int
     body: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
+    term: int = 0
+    """The sender's coordinator term: which coordinator it obeys (or, from a coordinator, the
+    term it acts in). A coordinator's message of an older term than the receiver's is stale."""
 
 
 def read_secret(path: str) -> bytes:
@@ -337,6 +368,8 @@ class Codec:
         self.job_id = job_id
         self.sender = sender
         self._seq = 0
+        self.term = 0
+        """Stamped on everything sent: the coordinator term this process acts in or obeys."""
         # This incarnation's epoch: strictly newer than any earlier process's of this sender.
         self.epoch = time.time_ns()
         # sender -> (epoch, last seq) of the newest incarnation seen.
@@ -356,6 +389,7 @@ class Codec:
                 "gen": generation,
                 "seq": self._seq,
                 "epoch": self.epoch,
+                "term": self.term,
                 "body": body or {},
             },
             use_bin_type=True,
@@ -391,12 +425,13 @@ class Codec:
             raise Rejected(f"unknown protocol version {str(doc.get('v'))[:20]!r}")
         if doc.get("job") != self.job_id:
             raise Rejected(f"message of another job {str(doc.get('job'))[:40]!r}")
-        type_, sender, gen, seq, epoch, body = (
+        type_, sender, gen, seq, epoch, term, body = (
             doc.get("type"),
             doc.get("sender"),
             doc.get("gen"),
             doc.get("seq"),
             doc.get("epoch"),
+            doc.get("term"),
             doc.get("body"),
         )
         # A type that is a list or a map is not hashable: check it is a string before the set.
@@ -406,7 +441,12 @@ class Codec:
             raise Rejected("malformed sender")
         if not isinstance(body, dict):
             raise Rejected("malformed body")
-        for name, value in (("generation", gen), ("sequence number", seq), ("epoch", epoch)):
+        for name, value in (
+            ("generation", gen),
+            ("sequence number", seq),
+            ("epoch", epoch),
+            ("term", term),
+        ):
             if (
                 not isinstance(value, int)
                 or isinstance(value, bool)
@@ -424,10 +464,11 @@ class Codec:
         if epoch == last_epoch and seq <= last_seq:
             raise Rejected(f"replayed or reordered message from {sender} (seq {seq})")
         self._last_seen[sender] = (epoch, seq)
-        return Message(type_, sender, gen, seq, body, epoch)
+        return Message(type_, sender, gen, seq, body, epoch, term)
 
-    def drain(self, sock: Any, expect_sender: str = "coordinator") -> list[Message]:
-        """Every message waiting on ``sock`` that authenticates and comes from ``expect_sender``.
+    def drain(self, sock: Any, expect_sender: str = COORDINATOR) -> list[Message]:
+        """Every message waiting on ``sock`` that authenticates and comes from ``expect_sender``
+        (for the default, any coordinator: the active one or a standby).
 
         Never blocks; anything rejected or from someone else is dropped and logged.
         """
@@ -444,7 +485,9 @@ class Codec:
             except Rejected as e:
                 self.drops.drop(e.reason)
                 continue
-            if msg.sender != expect_sender:
+            if msg.sender != expect_sender and not (
+                expect_sender == COORDINATOR and is_coordinator(msg.sender)
+            ):
                 self.drops.drop(f"a message from {msg.sender} (expected {expect_sender})")
                 continue
             out.append(msg)

@@ -57,6 +57,7 @@ def _payload(**over) -> bytes:
     doc = {
         "v": protocol.PROTOCOL_VERSION,
         "epoch": EPOCH,
+        "term": 0,
         "type": "hello",
         "job": "p2p-job",
         "sender": "rank/0",
@@ -134,7 +135,7 @@ def test_random_frames_never_crash_or_change_anything(coordinator, frames):
 )
 @given(
     st.dictionaries(
-        st.sampled_from(["v", "type", "job", "sender", "gen", "seq", "epoch", "body"]),
+        st.sampled_from(["v", "type", "job", "sender", "gen", "seq", "epoch", "term", "body"]),
         st.one_of(
             st.integers(-(2**63), 2**63 - 1),
             st.text(max_size=10),
@@ -186,7 +187,7 @@ WRONG_VALUES = [["x"], {"k": 1}, "1", 1.5, True, None, 2**63]
 
 
 def _fields():
-    for name in ("v", "type", "job", "sender", "gen", "seq", "epoch", "body"):
+    for name in ("v", "type", "job", "sender", "gen", "seq", "epoch", "term", "body"):
         yield "envelope", name
     for name in HELLO_BODY:
         yield "body", name

@@ -1,0 +1,133 @@
+"""Coordinator takeover without processes: the mirrored state, the restarted recovery, the term
+rule on every link, and the active coordinator's quorum, each from plain inputs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from launcher import mirror, protocol
+from launcher.coordinator import Coordinator, CoordinatorConfig
+from launcher.link import CoordinatorLinks
+from launcher.membership import Membership, MembershipConfig, Send
+from tests.launcher.test_membership import ack_all, job, of
+
+SECRET = b"s" * 64
+
+
+def _copy(m: Membership, now: float = 5.0) -> Membership:
+    standby = Membership(m.config)
+    mirror.load(standby, mirror.dump(m), now)
+    return standby
+
+
+def _comparable(m: Membership) -> dict:
+    return {k: v for k, v in vars(m).items() if k not in ("last_seen", "config", "policy")}
+
+
+def test_the_mirror_carries_every_decision_the_active_coordinator_made():
+    m, _ = job(spares=1)
+    ack_all(m)
+    for r in range(4):
+        m.report_replicated(f"rank/{r}", 7)
+    m.exited("rank/1", -9, 1.0)  # generation 2 pending: spare/0 takes rank 1
+    standby = _copy(m)
+    assert _comparable(standby) == _comparable(m)
+    assert standby.pending == m.pending and standby.committed_step == 7
+    # Every member gets a fresh heartbeat at the takeover (it needs a moment to reconnect).
+    assert standby.last_seen == dict.fromkeys(m.procs, 5.0)
+    # It decides as the active one would have from here on.
+    assert of(standby.exited("rank/3", -9, 2.0), Send) == of(m.exited("rank/3", -9, 2.0), Send)
+
+
+def test_a_takeover_between_faults_sends_nothing_and_one_during_a_recovery_restarts_it():
+    m, _ = job(spares=1)
+    ack_all(m)
+    quiet = _copy(m)
+    assert not of(quiet.took_over(5.0), Send), "training between faults is left alone"
+    m.exited("rank/1", -9, 1.0)
+    standby = _copy(m)
+    (send,) = of(standby.took_over(5.0), Send)
+    g = send.generation
+    assert g.generation == 3 and g.store_prefix == "gen3/", "a fresh rendezvous"
+    assert g.replaced == {1: ["rank/1", "spare/0"]} and g.lost == [1]
+    assert standby.pending is g and standby.awaiting == set(g.ranks.values())
+
+
+def test_a_corrupt_mirror_is_refused_and_changes_nothing():
+    m, _ = job()
+    standby = Membership(m.config)
+    before = _comparable(standby)
+    for bad in (b"", b"x" * 100, mirror.dump(m)[:-5]):
+        with pytest.raises(ValueError, match="not a mirrored membership state"):
+            mirror.load(standby, bad, 0.0)
+    assert _comparable(standby) == before
+
+
+def _message(term: int, type_: str = protocol.HEARTBEAT, sender: str = "coordinator"):
+    return protocol.Message(type_, sender, 0, 1, {}, 1, term)
+
+
+class _FakeLinks(CoordinatorLinks):
+    """The term rule of :class:`CoordinatorLinks` fed with messages instead of sockets."""
+
+    def __init__(self, inbox: dict) -> None:
+        codec = protocol.Codec(SECRET, "job", "agent/1")
+        super().__init__(zmq.Context.instance(), "agent/1", codec, ["a:1"])
+        self.add("b:2")
+        self.inbox = inbox
+        self.codec.drain = lambda sock: self.inbox.pop(self.address_of(sock), [])
+
+
+def test_links_drop_an_older_term_and_follow_a_newer_one():
+    links = _FakeLinks({"a:1": [_message(0)]})
+    try:
+        assert [m.term for m in links.receive(links.sockets["a:1"]).messages] == [0]
+        # A standby of the same term that has not taken over is not obeyed.
+        links.inbox["b:2"] = [_message(0, protocol.KILL, "coordinator/1")]
+        assert links.receive(links.sockets["b:2"]).messages == []
+        links.inbox["b:2"] = [_message(1, protocol.TAKEOVER, "coordinator/1")]
+        got = links.receive(links.sockets["b:2"])
+        assert got.takeover and links.active == "b:2" and links.term == 1
+        assert links.codec.term == 1, "the new term goes out on everything sent"
+        # The old coordinator, back from a pause, is fenced off.
+        links.inbox["a:1"] = [_message(0, protocol.KILL)]
+        assert links.receive(links.sockets["a:1"]).messages == []
+    finally:
+        links.close()
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    secret = tmp_path / "secret"
+    protocol.write_secret(str(secret))
+    c = Coordinator(
+        CoordinatorConfig(
+            secret_file=str(secret),
+            run_dir=str(tmp_path),
+            host_store=False,
+            membership=MembershipConfig(world_size=3, ranks_per_node=1, heartbeat_timeout_s=2.0),
+        )
+    )
+    yield c
+    c.close()
+
+
+def test_a_coordinator_that_hears_under_half_the_nodes_holds_its_decisions(coordinator):
+    from launcher.decisions import Process
+
+    m = coordinator.membership
+    for node in range(3):
+        m.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, 0.0)
+    assert coordinator._in_quorum(0.5)
+    m.heartbeat("agent/0", 1.5)
+    m.heartbeat("agent/1", 1.5)
+    assert coordinator._in_quorum(2.0), "2 of 3 nodes heard: it decides"
+    assert not coordinator._in_quorum(2.6), "1 of 3 (a partition?): a standby may take over"
+
+
+def test_a_coordinator_that_receives_a_newer_term_stops(coordinator):
+    coordinator._dispatch(_message(1, protocol.HEARTBEAT, "agent/0"), time.monotonic())
+    assert coordinator.exit_code == 0
