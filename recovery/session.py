@@ -311,7 +311,7 @@ class Session:
             join_timeout_s=self.timeout_s
             if info.graceful
             else min(self.timeout_s, info.ack_timeout_s / 2),
-            ignore_peers=(_address(self.client.config.coordinator),),
+            ignore_peers=tuple(_address(a) for a in self.client.config.coordinators),
         )
         comms = create_comms(spec, self._register)
         with self._cond:
