@@ -164,6 +164,74 @@ def test_inject_a_kill_and_a_hang(capsys, tmp_path, references):
     assert faults[1]["phases"]["detect"] > 2.5 > faults[0]["phases"]["detect"]
 
 
+def _events(report_dir):
+    from launcher.events import read_events
+
+    return read_events(_report(report_dir)["modes"]["checkpointless"]["run_dir"])
+
+
+def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fenced_off(
+    capsys, tmp_path, references
+):
+    summary = _run(
+        capsys,
+        "inject",
+        *FAST,
+        *references,
+        "--steps",
+        "6",
+        "--fault",
+        "kill:rank=1@step=3",
+        "--fault",
+        "hang-coordinator@recovery=1:phase=plan",
+        "--fault",
+        "kill:rank=2@step=5",
+        "--out-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+    assert summary["bitwise_equal"] is True
+    faults = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
+    hang = next(f for f in faults if f["spec"].startswith("hang-coordinator"))
+    assert hang["takeover_s"] > 0
+    events = _events(tmp_path / "report")
+    (took,) = [e for e in events if e["event"] == "takeover_state"]
+    assert took["source"] == "coordinator/1" and took["restarted"], "the recovery started again"
+    # Resumed once the standby took over, the old coordinator learns it was replaced.
+    assert [e["source"] for e in events if e["event"] == "fenced"] == ["coordinator"]
+    late = [e for e in events if e["event"] == "generation_started" and e["t"] > took["t"]]
+    assert late and {e["source"] for e in late} == {"coordinator/1"}
+    assert 2 in {r for e in late for r in e["lost"]}, "the later fault: the new coordinator's"
+
+
+def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp_path):
+    summary = _run(
+        capsys,
+        "inject",
+        *FAST,
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--steps",
+        "6",
+        "--fault",
+        "kill-node:node=0@step=3",
+        "--out-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+    assert summary["bitwise_equal"] is True
+    (fault,) = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
+    assert fault["restored_from"] == "peers" and fault["downtime_s"] > 0
+    started = [e for e in _events(tmp_path / "report") if e["event"] == "generation_started"]
+    assert started[-1]["source"] == "coordinator/1" and started[-1]["lost"] == [0]
+
+
 def test_the_check_fails_when_a_run_is_silently_corrupted(capsys, tmp_path, references):
     from bench.cli import main
 
@@ -250,6 +318,8 @@ def test_the_check_of_a_users_script_fails_when_its_run_is_corrupted(capsys, tmp
         ("kill:rank=9@step=3", "rank 9 does not exist"),
         ("kill:rank=1@step=99", "step 99 is outside"),
         ("kill:node=1@step=3", "kill targets a rank"),
+        ("kill-coordinator:rank=0@step=3", "kill-coordinator names no rank or node"),
+        ("kill-node:node=0@step=3", "use --nnodes 3 or more"),
     ],
 )
 def test_bad_fault_specs_are_one_clear_line(capfd, spec, message):
@@ -269,6 +339,7 @@ def test_bad_fault_specs_are_one_clear_line(capfd, spec, message):
         (["kill-node:node=1@step=3"], [2, 0]),
         (["kill-node:node=0@step=3"], [0, 2]),
         (["bitflip:rank=1@step=3"], [1, 0]),
+        (["kill-coordinator@step=3"], [1, 0]),
     ],
 )
 def test_spares_cover_every_lost_rank_on_nodes_that_survive(specs, expected):

@@ -131,3 +131,19 @@ def test_a_coordinator_that_hears_under_half_the_nodes_holds_its_decisions(coord
 def test_a_coordinator_that_receives_a_newer_term_stops(coordinator):
     coordinator._dispatch(_message(1, protocol.HEARTBEAT, "agent/0"), time.monotonic())
     assert coordinator.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "spec, kind, at, phase",
+    [
+        ("kill-coordinator@step=4", "kill-coordinator", 4, "forward"),
+        ("hang-coordinator@recovery=1:phase=build", "hang-coordinator", 1, "build"),
+    ],
+)
+def test_coordinator_faults_parse_and_print_back(spec, kind, at, phase):
+    from bench.faults import parse_fault
+
+    fault = parse_fault(spec)
+    assert (fault.kind, fault.at, fault.phase) == (kind, at, phase)
+    assert parse_fault(str(fault)) == fault
+    assert fault.in_recovery == (phase == "build")
