@@ -3,11 +3,14 @@
     p2p-run --nnodes 2 --nproc-per-node 4 --node-rank 0 --spares 1 train.py --lr 3e-4
 
 The process with node rank 0 starts the job's coordinator (its own process, so it outlives any
-rank) unless ``--coordinator`` names one that runs elsewhere; every ``p2p-run`` then runs its
-node's agent. Several ``p2p-run`` processes on one machine with different ``--node-rank`` form
-one job: that is how multi-node runs are tested on one host. Inside a Slurm allocation the job's
-shape comes from ``SLURM_*`` (:mod:`launcher.slurm`; any flag given wins). User mistakes end with
-one line on stderr and a non-zero exit code, never a traceback.
+rank), and node 1 (``--standby-coordinators``) a standby that takes over if it is lost; every
+``p2p-run`` then runs its node's agent. On a head node that trains nothing, ``p2p-run
+coordinator --coordinator HOST:PORT [flags]`` runs the coordinator in the foreground (with
+``--standby-of HOST:PORT``, a standby), and every node is started with ``--external-coordinator``
+and the same ``--coordinator``. Several ``p2p-run`` processes on one machine with different
+``--node-rank`` form one job: that is how multi-node runs are tested on one host. Inside a Slurm
+allocation the job's shape comes from ``SLURM_*`` (:mod:`launcher.slurm`; any flag given wins).
+User mistakes end with one line on stderr and a non-zero exit code, never a traceback.
 
 Exit codes (how the job ended, as this node saw it):
 
@@ -163,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with an error, seconds (default 30)",
     )
     p.add_argument(
+        "--external-coordinator",
+        action="store_true",
+        help="the coordinator at --coordinator runs elsewhere (p2p-run coordinator on a head "
+        "node): node 0 starts none",
+    )
+    p.add_argument(
         "--standby-coordinators",
         default=None,
         help="node ranks that run a standby coordinator, which takes over when the active one "
@@ -287,10 +296,10 @@ def _resolve(args: argparse.Namespace, environ) -> slurm.Resolved:
     return resolved
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(args: argparse.Namespace, script: bool = True) -> None:
     if args.join_timeout <= 0:
         raise UsageError("--join-timeout must be > 0 seconds")
-    if args.script is None and not args.print_config:
+    if script and args.script is None and not args.print_config:
         raise UsageError("no training script given (p2p-run [flags] train.py [args])")
     if args.nnodes < 1 or args.nproc_per_node < 1:
         raise UsageError("--nnodes and --nproc-per-node must be >= 1")
@@ -339,10 +348,12 @@ def _validate(args: argparse.Namespace) -> None:
         )
     if args.coordinator_timeout <= 1.0:
         raise UsageError(
-            "--coordinator-timeout must be more than 1 s (the coordinator beats at 2 Hz)"
+            "--coordinator-timeout must be more than 1 s (the coordinator beats at 5 Hz)"
         )
-    if not args.print_config and not args.module and not Path(args.script).is_file():
+    if script and not args.print_config and not args.module and not Path(args.script).is_file():
         raise UsageError(f"script {args.script} does not exist")
+    if args.external_coordinator and not args.coordinator:
+        raise UsageError("--external-coordinator needs --coordinator host:port (where it runs)")
     if args.node_rank > 0 and not args.coordinator:
         raise UsageError("nodes other than 0 need --coordinator host:port (node 0's address)")
     if args.coordinator:
@@ -357,7 +368,7 @@ def _secret_file(args: argparse.Namespace, run_dir: Path) -> str:
     try:
         if args.secret_file:
             protocol.read_secret(str(path))
-        elif args.node_rank == 0:
+        elif args.node_rank == 0 and not args.external_coordinator:
             secret_file.create_once(path)
         else:
             secret_file.wait_for(path, args.join_timeout)
@@ -392,38 +403,11 @@ def standby_nodes(spec: str | None, nnodes: int) -> list[int]:
     return nodes
 
 
-def _start_coordinator(
-    args: argparse.Namespace, run_dir: Path, secret: str, standby_of: str | None = None
-) -> tuple:
-    host, port = "127.0.0.1", 0
-    if args.coordinator:
-        host, _, p = args.coordinator.rpartition(":")
-        port = int(p)
-    advertise = host
-    if standby_of is not None:
-        # A standby listens on this node: on loopback when the job does, else everywhere,
-        # announced under this host's name.
-        port = 0
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            host, advertise = "0.0.0.0", socket.gethostname()
-    if port:
-        with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
-            # As ZeroMQ binds: a previous run's connections in TIME_WAIT do not hold the port.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as e:
-                raise UsageError(
-                    f"cannot start the coordinator on {host}:{port}: {e.strerror}"
-                ) from None
-    address_file = run_dir / (
-        COORDINATOR_FILE if standby_of is None else f"coordinator-{args.node_rank}.json"
-    )
-    address_file.unlink(missing_ok=True)
+def coordinator_argv(
+    args: argparse.Namespace, run_dir: Path, secret: str, host: str, port: int
+) -> list[str]:
+    """The flags of ``python -m launcher.coordinator`` for this job."""
     cmd = [
-        sys.executable,
-        "-m",
-        "launcher.coordinator",
         "--host",
         host,
         "--port",
@@ -464,6 +448,39 @@ def _start_coordinator(
     if args.env_store:
         cmd.append("--env-store")
     cmd += ["--takeover-timeout", str(args.takeover_timeout)]
+    return cmd
+
+
+def _start_coordinator(
+    args: argparse.Namespace, run_dir: Path, secret: str, standby_of: str | None = None
+) -> tuple:
+    host, port = "127.0.0.1", 0
+    if args.coordinator:
+        host, _, p = args.coordinator.rpartition(":")
+        port = int(p)
+    advertise = host
+    if standby_of is not None:
+        # A standby listens on this node: on loopback when the job does, else everywhere,
+        # announced under this host's name.
+        port = 0
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            host, advertise = "0.0.0.0", socket.gethostname()
+    if port:
+        with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
+            # As ZeroMQ binds: a previous run's connections in TIME_WAIT do not hold the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise UsageError(
+                    f"cannot start the coordinator on {host}:{port}: {e.strerror}"
+                ) from None
+    address_file = run_dir / (
+        COORDINATOR_FILE if standby_of is None else f"coordinator-{args.node_rank}.json"
+    )
+    address_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "launcher.coordinator"]
+    cmd += coordinator_argv(args, run_dir, secret, host, port)
     if standby_of is not None:
         cmd += ["--standby-of", standby_of, "--node", str(args.node_rank), "--advertise", advertise]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
@@ -519,6 +536,37 @@ def dropped_from_job(events: list[dict], node_rank: int) -> str | None:
     return reason
 
 
+def _head_node(argv: list[str]) -> int:
+    """``p2p-run coordinator [--standby-of HOST:PORT] --coordinator HOST:PORT [flags]``: the
+    job's coordinator (or a standby) in the foreground, on a host that trains nothing."""
+    from launcher.coordinator import main as coordinator_main
+
+    parser = build_parser()
+    parser.prog = "p2p-run coordinator"
+    parser.add_argument("--standby-of", default=None, help="host:port of the active coordinator")
+    try:
+        args = parser.parse_args(argv)
+        _resolve(args, os.environ)
+        _validate(args, script=False)
+        if not args.coordinator:
+            raise UsageError("p2p-run coordinator needs --coordinator host:port (where to listen)")
+        run_dir = Path(args.run_dir or Path("runs") / args.job_id).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        args.node_rank, args.external_coordinator = 0, args.standby_of is not None
+        secret = _secret_file(args, run_dir)
+    except UsageError as e:
+        print(f"p2p-run: error: {e}", file=sys.stderr)
+        return Exit.USAGE
+    except TimeoutError as e:
+        print(f"p2p-run: error: {e}", file=sys.stderr)
+        return Exit.NOT_JOINED
+    host, _, port = args.coordinator.rpartition(":")
+    flags = coordinator_argv(args, run_dir, secret, host, int(port))
+    if args.standby_of:
+        flags += ["--standby-of", args.standby_of, "--node", "head", "--advertise", host]
+    return coordinator_main(flags)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``p2p-run`` console script (``p2p-run scale ...`` resizes a job)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -526,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.scale import main as scale_main
 
         return scale_main(argv[1:])
+    if argv[:1] == ["coordinator"]:
+        return _head_node(argv[1:])
     coordinator = None
     run_dir: Path | None = None
     try:
@@ -547,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         secret = _secret_file(args, run_dir)
         address = args.coordinator
-        if args.node_rank == 0:
+        if args.node_rank == 0 and not args.external_coordinator:
             coordinator, address = _start_coordinator(args, run_dir, secret)
         elif args.node_rank in standby_nodes(args.standby_coordinators, args.nnodes):
             coordinator, _ = _start_coordinator(args, run_dir, secret, standby_of=address)

@@ -72,8 +72,9 @@ class CoordinatorConfig:
     call ``dist.init_process_group()`` themselves."""
     standby_of: str | None = None
     """``host:port`` of the active coordinator: this one is its standby."""
-    node: int = 0
-    """The node this coordinator runs on (a standby's identity is ``coordinator/<node>``)."""
+    node: str = "0"
+    """Where this coordinator runs: a node rank, or ``head`` (a standby's identity is
+    ``coordinator/<node>``)."""
     advertise: str | None = None
     """``host`` others reach this coordinator at (default: ``host``)."""
     takeover_timeout_s: float = 2.0
@@ -269,7 +270,7 @@ class Coordinator:
     def _standby_hello(self) -> dict:
         return {
             "role": "standby",
-            "node": self.config.node,
+            "node": int(self.config.node) if self.config.node.isdigit() else -1,
             "pid": os.getpid(),
             "address": self.address,
         }
@@ -666,9 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--takeover-timeout", type=float, default=2.0)
     p.add_argument("--standby-of", default=None, help="host:port of the active coordinator")
-    p.add_argument("--node", type=int, default=0, help="the node this coordinator runs on")
+    p.add_argument("--node", default="0", help="where it runs: a node rank, or head")
     p.add_argument("--advertise", default=None, help="the host others reach this one at")
     args = p.parse_args(argv)
+    if not (args.node.isascii() and args.node.isalnum() and len(args.node) <= 16):
+        p.error(f"--node {args.node!r}: a node rank or a short name such as head")
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     coordinator = Coordinator(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.events import read_events
 from tests.jobs import WORKER, alive, wait_for
 
 pytestmark = pytest.mark.slow
@@ -75,15 +77,53 @@ def test_ctrl_c_leaves_no_process_behind(start_job):
     wait_for(lambda: not any(alive(p) for p in pids), "every process of the job to exit", 15)
 
 
-def test_a_lost_coordinator_stops_every_node(start_job):
+def test_losing_both_coordinators_stops_every_node(start_job):
     job = start_job(launcher_args=["--coordinator-timeout", "3"])
     job.wait_event("generation_complete", generation=1)
+    job.wait_event("standby_joined", identity="coordinator/1")
     pids = [e["pid"] for e in job.events("process_started")]
+    standby = json.loads((job.run_dir / "coordinator-1.json").read_text())
     os.kill(job.coordinator_info()["pid"], signal.SIGKILL)
+    os.kill(standby["pid"], signal.SIGKILL)
     codes = [n.wait(timeout=30) for n in job.nodes]
     assert codes == [1, 1]
     assert len(job.events("coordinator_lost")) == 2
     wait_for(lambda: not any(alive(p) for p in pids), "every rank and spare to exit", 15)
+
+
+def test_a_head_node_runs_the_coordinator_and_every_node_points_at_it(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--run-dir",
+        str(tmp_path),
+        "--heartbeat-interval",
+        "0.1",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+    ]
+    cli = [sys.executable, "-m", "launcher.cli"]
+    procs = [subprocess.Popen([*cli, "coordinator", *common])]
+    try:
+        for node in (0, 1):
+            flags = [*common, "--external-coordinator", "--node-rank", str(node)]
+            procs.append(subprocess.Popen([*cli, *flags, WORKER]))
+        events = lambda name: [e for e in read_events(tmp_path) if e["event"] == name]  # noqa: E731
+        wait_for(lambda: events("generation_complete"), "the job's first generation")
+        # Node 0 started no coordinator of its own: the head node's is the only one.
+        assert {e["source"] for e in events("coordinator_started")} == {"coordinator"}
+        assert [e["identity"] for e in events("standby_joined")] == ["coordinator/1"]
+        (tmp_path / "stop").touch()
+        assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _run_cli(*args, timeout=60):
@@ -104,6 +144,8 @@ def _run_cli(*args, timeout=60):
         (["--node-rank", "1", "--nnodes", "2", WORKER], "need --coordinator"),
         (["--coordinator", "nohost", WORKER], "is not host:port"),
         (["--max-restarts", "-1", WORKER], "--max-restarts must be >= 0"),
+        (["--standby-coordinators", "0", WORKER], "node 0 runs the active coordinator"),
+        (["--external-coordinator", WORKER], "--external-coordinator needs --coordinator"),
     ],
 )
 def test_bad_cli_input_is_one_clear_line(tmp_path, args, message):

@@ -53,6 +53,14 @@ def _sign(payload: bytes, secret: bytes = SECRET) -> bytes:
 EPOCH = time.time_ns()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_epoch():
+    """Each test's messages are of a fresh incarnation: a hello must be within FRESHNESS_S of
+    the receiver's clock, and a long suite can run a test more than that after import."""
+    global EPOCH
+    EPOCH = time.time_ns()
+
+
 def _payload(**over) -> bytes:
     doc = {
         "v": protocol.PROTOCOL_VERSION,
