@@ -51,6 +51,8 @@ _DRAIN_BATCH = 1000
 COORDINATOR_IDENTITY = protocol.COORDINATOR
 #: How often a standby that lost the active coordinator asks the agents again for their vote.
 _VOTE_RETRY_S = 0.2
+#: How often the active coordinator mirrors a changed membership between generations.
+_MIRROR_EVERY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,14 +285,23 @@ class Coordinator:
             pass
 
     def _mirror(self, force: bool = False) -> None:
-        """Push the membership to every standby when it changed (or as a keepalive)."""
+        """Push the membership to every standby when it changed: at once when ``force`` (a
+        generation is about to go out), else at most every ``_MIRROR_EVERY_S``.
+
+        What changes between generations (replication reports, acknowledgements, exits) is
+        sent again by its senders to a coordinator that takes over, so the standby may lag
+        by that much; a 2,048-rank state takes tens of milliseconds to write.
+        """
         if not self.standbys:
             return
         now = self.now()
+        if not force and now - self._mirrored_at < _MIRROR_EVERY_S:
+            return
         state = mirror.dump(self.membership)
+        self._mirrored_at = now
         if state == self._mirrored and not force:
             return  # unchanged: the heartbeats tell the standbys this coordinator lives
-        self._mirrored, self._mirrored_at = state, now
+        self._mirrored = state
         for identity in self.standbys:
             self._send(identity, protocol.STATE, {"state": state, "now": now})
 
@@ -546,7 +557,7 @@ class Coordinator:
             if isinstance(action, Event):
                 self.events.write(action.name, **action.fields)
             elif isinstance(action, Send):
-                self._mirror()  # the standbys know a generation before any member does
+                self._mirror(force=True)  # the standbys know a generation before any member
                 self._broadcast(action.generation, action.to)
             elif isinstance(action, Kill):
                 self.events.write(

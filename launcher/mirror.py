@@ -36,21 +36,26 @@ MAX_STATE_BYTES = 16 << 20
 """The most a standby inflates one state to (a bound on what a corrupt message may allocate)."""
 
 
+_SCALARS = (type(None), bool, int, float, str)
+_NAMES = {cls: tuple(f.name for f in fields(cls)) for cls in _RECORDS.values()}
+_TAGS = {cls: tag for tag, cls in _RECORDS.items()}
+
+
 def _pack(value: Any) -> Any:
-    if isinstance(value, (Process, Generation, PolicyState)):
-        name = next(k for k, t in _RECORDS.items() if isinstance(value, t))
-        return {"@r": name, "f": {f.name: _pack(getattr(value, f.name)) for f in fields(value)}}
-    if isinstance(value, dict):
-        return {"@d": [[_pack(k), _pack(v)] for k, v in value.items()]}
-    if isinstance(value, (set, frozenset)):
-        return {"@s": sorted((_pack(v) for v in value), key=repr)}
-    if isinstance(value, tuple):
-        return {"@t": [_pack(v) for v in value]}
-    if isinstance(value, list):
-        return [_pack(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
+    kind = type(value)
+    if kind in _SCALARS:
         return value
-    raise TypeError(f"cannot mirror a {type(value).__name__}")
+    if kind is dict:
+        return {"@d": [[_pack(k), _pack(v)] for k, v in value.items()]}
+    if kind is list:
+        return [_pack(v) for v in value]
+    if kind in _TAGS:
+        return {"@r": _TAGS[kind], "v": [_pack(getattr(value, n)) for n in _NAMES[kind]]}
+    if kind in (set, frozenset):
+        return {"@s": sorted((_pack(v) for v in value), key=repr)}
+    if kind is tuple:
+        return {"@t": [_pack(v) for v in value]}
+    raise TypeError(f"cannot mirror a {kind.__name__}")
 
 
 def _unpack(value: Any) -> Any:
@@ -60,7 +65,10 @@ def _unpack(value: Any) -> Any:
         return value
     if "@r" in value:
         cls = _RECORDS[value["@r"]]
-        return cls(**{k: _unpack(v) for k, v in value["f"].items()})
+        names = _NAMES[cls]
+        if len(value["v"]) != len(names):
+            raise ValueError(f"a {value['@r']} with {len(value['v'])} fields")
+        return cls(**{n: _unpack(v) for n, v in zip(names, value["v"], strict=True)})
     if "@d" in value:
         return {_hashable(_unpack(k)): _unpack(v) for k, v in value["@d"]}
     if "@s" in value:
