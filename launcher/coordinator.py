@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -149,8 +150,11 @@ class Coordinator:
         self._has_state = False
         self._mirrored_term = 0
         self._votes: set[str] = set()
+        self._votes_asked_at = 0.0
         self._next_vote = 0.0
         self._holding = False
+        self._quorum_grace = 0.0
+        """Until then the quorum is not checked (processes reconnecting after a takeover)."""
         if self.standby:
             self._upstream = self.ctx.socket(zmq.DEALER)
             self._upstream.setsockopt(zmq.IDENTITY, self.identity.encode())
@@ -255,7 +259,8 @@ class Coordinator:
         agents = [i for i, p in self.membership.procs.items() if p.role == "agent"]
         recent = self.config.membership.heartbeat_timeout_s / 2
         heard = sum(1 for a in agents if now - self.membership.last_seen.get(a, now) <= recent)
-        holding = len(agents) >= 2 and 2 * heard < len(agents)
+        holding = len(agents) >= 2 and 2 * heard < len(agents) and now >= self._quorum_grace
+
         if holding != self._holding:
             self._holding = holding
             self.events.write(
@@ -313,6 +318,7 @@ class Coordinator:
                 continue  # the coordinator this standby is replacing: too late
             self._heard_active = time.monotonic()
             self._votes.clear()
+            self._votes_asked_at = 0.0
             if msg.type == protocol.STATE:
                 try:
                     mirror.load(self.membership, msg.body["state"], float(msg.body["now"]))
@@ -332,8 +338,18 @@ class Coordinator:
         if silent <= self.config.takeover_timeout_s or not self._has_state:
             return
         agents = sorted(i for i, p in self.membership.procs.items() if p.role == "agent")
-        if self.codec.term <= self._mirrored_term:
-            self.codec.term = self._mirrored_term + 1
+        now = time.monotonic()
+        stalled = (
+            self._votes_asked_at and now - self._votes_asked_at > self.config.takeover_timeout_s
+        )
+        if self.codec.term <= self._mirrored_term or stalled:
+            # A new election; one that won no majority in time (two standbys splitting the
+            # votes) goes again in the next term after a random pause, as in Raft.
+            self.codec.term = max(self.codec.term, self._mirrored_term) + 1
+            self._votes.clear()
+            self._votes_asked_at = now
+            if stalled:
+                self._next_vote = now + random.uniform(0, self.config.takeover_timeout_s / 2)
             self.events.write("election", term=self.codec.term, silent_s=round(silent, 3))
             logger.warning(
                 "the active coordinator has been silent for %.1fs: asking %d nodes for term %d",
@@ -368,6 +384,7 @@ class Coordinator:
         seen = now - timeout / 2
         for identity in self.membership.procs:
             self.membership.heartbeat(identity, seen)
+        self._quorum_grace = now + timeout / 2
         self.events.write(
             "takeover",
             term=self.codec.term,
@@ -426,6 +443,8 @@ class Coordinator:
                 self._votes.add(msg.sender)
                 self.events.write("vote", identity=msg.sender, term=msg.term)
             return
+        if msg.type == protocol.VOTED:
+            return  # an answer that came after this coordinator had won its election
         if msg.type == protocol.HELLO and body.get("role") == "standby":
             self._standby_joined(msg)
             return

@@ -115,13 +115,17 @@ class CoordinatorLinks:
                     # A replaced coordinator that runs again learns it from this reply's term.
                     self.send_to(address, protocol.HEARTBEAT)
                 continue
-            if msg.term > self.term or (msg.type == protocol.TAKEOVER and address != self.active):
+            if address != self.active and msg.type == protocol.WELCOME and msg.term == self.term:
+                self.adopt(msg.term, address)  # the answer to a hello sent before a rotate()
+            elif msg.term > self.term or (address != self.active and msg.term > 0):
+                # A newer term, or the one coordinator that acts in this process's term (a
+                # standby acts only once it won; before that it only asks for votes): after a
+                # vote, any message of the winner switches this process even if its
+                # ``takeover`` was lost.
                 self.adopt(msg.term, address)
                 out.takeover = True
-            elif msg.type == protocol.WELCOME and address != self.active:
-                self.adopt(msg.term, address)  # the answer to a hello sent before a rotate()
             if address != self.active:
-                continue  # a standby of this term that has not taken over acts on nothing
+                continue  # term 0 is the first coordinator's: a standby's counts for nothing
             out.messages.append(msg)
         return out
 

@@ -10,6 +10,7 @@ import zmq
 
 from launcher import mirror, protocol
 from launcher.coordinator import Coordinator, CoordinatorConfig
+from launcher.events import read_events
 from launcher.link import CoordinatorLinks
 from launcher.membership import Membership, MembershipConfig, Send
 from tests.launcher.test_membership import ack_all, job, of
@@ -99,6 +100,17 @@ def test_links_drop_an_older_term_and_follow_a_newer_one():
         links.close()
 
 
+def test_a_node_that_voted_follows_the_winner_even_if_its_takeover_was_lost():
+    links = _FakeLinks({})
+    try:
+        links.adopt(1, None)  # it voted for term 1; the old coordinator is still "active"
+        links.inbox["b:2"] = [_message(1, protocol.HEARTBEAT, "coordinator/1")]
+        got = links.receive(links.sockets["b:2"])
+        assert got.takeover and links.active == "b:2" and links.term == 1
+    finally:
+        links.close()
+
+
 @pytest.fixture
 def coordinator(tmp_path):
     secret = tmp_path / "secret"
@@ -147,3 +159,59 @@ def test_coordinator_faults_parse_and_print_back(spec, kind, at, phase):
     assert (fault.kind, fault.at, fault.phase) == (kind, at, phase)
     assert parse_fault(str(fault)) == fault
     assert fault.in_recovery == (phase == "build")
+
+
+@pytest.fixture
+def standby(tmp_path):
+    from launcher.decisions import Process
+
+    secret = tmp_path / "secret"
+    protocol.write_secret(str(secret))
+    c = Coordinator(
+        CoordinatorConfig(
+            secret_file=str(secret),
+            run_dir=str(tmp_path),
+            host_store=False,
+            standby_of="127.0.0.1:9",  # never answers: the active coordinator is gone
+            node="1",
+            takeover_timeout_s=0.5,
+            membership=MembershipConfig(world_size=3, ranks_per_node=1),
+        )
+    )
+    active = Membership(c.config.membership)
+    for node in range(3):
+        active.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, 0.0)
+    mirror.load(c.membership, mirror.dump(active), 0.0)
+    c._has_state = True
+    yield c
+    c.close()
+
+
+def _voted(identity: str, term: int, granted: bool = True):
+    return protocol.Message(protocol.VOTED, identity, 0, 1, {"granted": granted}, 1, term)
+
+
+def test_a_standby_takes_over_with_more_than_half_the_votes_only(standby):
+    standby._standby_tick()
+    assert standby.codec.term == 0 and standby.standby, "the active one is not silent yet"
+    standby._heard_active -= 1.0
+    standby._standby_tick()
+    assert standby.codec.term == 1
+    standby._dispatch(_voted("agent/1", 1), 0.0)
+    standby._dispatch(_voted("agent/2", 0), 0.0)  # an answer to another term counts for nothing
+    standby._standby_tick()
+    assert standby.standby, "1 vote of 3 nodes is no majority"
+    standby._dispatch(_voted("agent/2", 1), 0.0)
+    standby._standby_tick()
+    assert not standby.standby and standby.codec.term == 1
+    took = [e for e in read_events(standby.config.run_dir) if e["event"] == "takeover"]
+    assert took[0]["votes"] == ["agent/1", "agent/2"]
+
+
+def test_an_election_that_wins_no_majority_in_time_goes_again_in_a_newer_term(standby):
+    standby._heard_active -= 1.0
+    standby._standby_tick()
+    standby._dispatch(_voted("agent/1", 1), 0.0)
+    standby._votes_asked_at -= 1.0  # the takeover timeout passed without a majority
+    standby._standby_tick()
+    assert standby.codec.term == 2 and not standby._votes and standby.standby
