@@ -12,12 +12,28 @@ on a 2-core machine. Measured, per size, in one run:
   clocks are CLOCK_MONOTONIC on one machine);
 - ``generation_ms``: from that decision until every rank acknowledged the new generation;
 - ``hang_detect_s``: a rank stops heartbeating; from its last heartbeat to the decision, next to
-  the configured timeout.
+  the configured timeout;
+- the takeover (unless ``--no-takeover``), last: a standby coordinator (the real one, its own
+  process, ``--standby-of``) starts next to the active one, which mirrors the membership to it
+  and tells every member where it is. Every emulated member then keeps a second socket, to the
+  standby, through the real :class:`launcher.link.CoordinatorLinks` (the term rule included);
+  the emulated agents answer the standby's vote as real agents do. Once every member is
+  connected to it (counted in ``/proc/net/tcp``), the active coordinator is SIGKILLed.
+  ``takeover_ms`` runs, per member (``takeover_members`` of them, all of which must switch
+  within a deadline), from the kill until it adopted the standby and sent it a heartbeat;
+  ``election_ms`` from the kill to the standby's ``takeover`` event. Both include the silence
+  the standby waits for before it asks for votes (``--takeover-timeout``, 1 s by default).
+  Afterwards, for one heartbeat timeout, the standby must stay up, every member must obey it,
+  every agent must hear its heartbeats, and a member it loses counts as an unexpected fault.
+
+The standby starts after the other trials, so the figures above them are taken as before, with
+no standby to mirror to.
 
 The emulated ranks do not train, so the trials are, to the coordinator, recoveries in a row that
 never get the training past a step: the bench gives it a ``--max-restarts`` budget that covers
 every trial (a real job keeps its default). Emulating the ranks' per-step ``replicated`` reports
-instead would load the coordinator with work that is not being measured.
+instead would load the coordinator with work that is not being measured. ``unexpected_faults``
+counts the members either coordinator took for lost without the bench having stopped them.
 """
 
 from __future__ import annotations
@@ -119,6 +135,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             "heard": time.monotonic(),  # the last message from the active coordinator
             "voted_for": None,
             "switched": None,  # when it heartbeat a coordinator that took over
+            "told": False,
         }
         for s in links.sockets.values():
             watch(m, s)
@@ -143,7 +160,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
         silent = time.monotonic() - m["heard"]
         again = m["voted_for"] == (msg.term, msg.sender)
         granted = address is not None and (
-            again or (msg.term > links.term and silent >= float(msg.body["silence_s"]) / 2)
+            again or (msg.term > links.term and silent >= float(msg.body.get("silence_s", 1.0)) / 2)
         )
         if granted and not again:
             m["voted_for"] = (msg.term, msg.sender)
@@ -179,6 +196,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                                 "links": len(m["links"].sockets),
                                 "active": m["links"].active,
                                 "switched": m["switched"],
+                                "told": m["told"],
                                 "heard": m["heard"],
                             }
                             for m in members.values()
@@ -216,6 +234,8 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                 links.send(protocol.HEARTBEAT)
                 beats += 1
                 m["switched"] = m["last"] = time.monotonic()
+                # The takeover message itself, or a later one of the new term (it was lost).
+                m["told"] = any(msg.type == protocol.TAKEOVER for msg in received.messages)
             for msg in received.messages:
                 if msg.type == protocol.VOTE:
                     if m["role"] == "agent":
@@ -335,6 +355,9 @@ def _takeover(
         "takeover_timeout_s": args.takeover_timeout,
         "takeover_members": len(switched),
         "takeover_votes": len(took["votes"]),
+        # Members that switched on a later message of the new term: the takeover message
+        # itself did not reach them (should be 0).
+        "takeover_not_told": sum(1 for m in now.values() if not m["told"]),
         "election_ms": (took["t"] - killed_at) * 1e3,
     }
 
@@ -491,7 +514,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     ]
                 )
                 takeover = _takeover(args, tmp, coord, standby, conns, events, wait)
-            return {
+            result = {
                 "ranks": n,
                 "coordinator_cpu_share": cpu_share,
                 "heartbeats_per_s": beat_rate,
@@ -510,6 +533,10 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 # for the emulation to keep its heartbeats).
                 "unexpected_faults": len(events("fault")) - args.exits - len(hang),
             }
+            if takeover:
+                # ... of which the standby decided after it took over (none is expected then)
+                result["takeover_unexpected_faults"] = len(events("fault", source="coordinator/1"))
+            return result
         finally:
             for c in conns:
                 try:

@@ -63,6 +63,7 @@ def test_control_plane_bench(capsys):
     # (32 ranks less the hung one, 4 agents, the spares) switched to it; the bench raises
     # naming how many did not, and checks the standby is the coordinator afterwards.
     assert size["takeover_timeout_s"] == 1.0 and size["takeover_votes"] >= 3
+    assert size["takeover_not_told"] == 0  # each got the takeover message itself
     assert size["takeover_ms_p99"] >= size["takeover_ms_p50"] > 0 and size["election_ms"] > 0
     if size["unexpected_faults"] == 0:  # a loaded machine may lose a member on its own
         assert size["takeover_members"] >= 32 + 4 - 1
