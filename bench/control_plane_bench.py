@@ -12,24 +12,42 @@ on a 2-core machine. Measured, per size, in one run:
   clocks are CLOCK_MONOTONIC on one machine);
 - ``generation_ms``: from that decision until every rank acknowledged the new generation;
 - ``hang_detect_s``: a rank stops heartbeating; from its last heartbeat to the decision, next to
-  the configured timeout.
+  the configured timeout;
+- the takeover (unless ``--no-takeover``), last: a standby coordinator (the real one, its own
+  process, ``--standby-of``) starts next to the active one, which mirrors the membership to it
+  and tells every member where it is. Every emulated member then keeps a second socket, to the
+  standby, through the real :class:`launcher.link.CoordinatorLinks` (the term rule included);
+  the emulated agents answer the standby's vote as real agents do. Once every member is
+  connected to it (counted in ``/proc/net/tcp``), the active coordinator is SIGKILLed.
+  ``takeover_ms`` runs, per member (``takeover_members`` of them, all of which must switch
+  within a deadline), from the kill until it adopted the standby and sent it a heartbeat;
+  ``election_ms`` from the kill to the standby's ``takeover`` event. Both include the silence
+  the standby waits for before it asks for votes (``--takeover-timeout``, 1 s by default).
+  Afterwards, for one heartbeat timeout, the standby must stay up, every member must obey it,
+  every agent must hear its heartbeats, and a member it loses counts as an unexpected fault.
+
+The standby starts after the other trials, so the figures above them are taken as before, with
+no standby to mirror to.
 
 The emulated ranks do not train, so the trials are, to the coordinator, recoveries in a row that
 never get the training past a step: the bench gives it a ``--max-restarts`` budget that covers
 every trial (a real job keeps its default). Emulating the ranks' per-step ``replicated`` reports
-instead would load the coordinator with work that is not being measured.
+instead would load the coordinator with work that is not being measured. ``unexpected_faults``
+counts the members either coordinator took for lost without the bench having stopped them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import select
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exits", type=int, default=10, help="process-exit trials per size")
     p.add_argument("--hangs", type=int, default=2, help="missed-heartbeat trials per size")
     p.add_argument("--cpu-window", type=float, default=5.0, help="seconds of steady state")
+    p.add_argument(
+        "--takeover-timeout",
+        type=float,
+        default=1.0,
+        help="the standby coordinator's silence limit before it asks for votes (default 1)",
+    )
+    p.add_argument("--no-takeover", action="store_true", help="no standby coordinator, no takeover")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -62,47 +87,92 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _emulate(conn: Any, spec: dict[str, Any]) -> None:
-    """A worker process: many emulated members, one poll loop."""
+    """A worker process: many emulated members, one poll loop.
+
+    Each member keeps the links a real one keeps (:class:`launcher.link.CoordinatorLinks`):
+    one socket to the active coordinator, one more to each standby it learns of, the term rule
+    on everything received. An agent answers a standby's vote as a real agent does; every
+    member that learns of a takeover heartbeats the new coordinator at once and records when.
+    """
     import zmq
 
     from launcher import protocol
+    from launcher.link import CoordinatorLinks
 
+    # Each member's switch is recorded here; thousands of "now obeys" lines would say no more.
+    logging.getLogger("launcher.link").setLevel(logging.ERROR)
     secret = protocol.read_secret(spec["secret_file"])
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 16384)
-    members: dict[zmq.Socket, dict[str, Any]] = {}
-    by_id: dict[str, zmq.Socket] = {}
+    members: dict[str, dict[str, Any]] = {}
+    by_sock: dict[zmq.Socket, dict[str, Any]] = {}
     poller = zmq.Poller()
     interval = spec["interval"]
+    beats = 0
+
+    def watch(m: dict[str, Any], s: zmq.Socket) -> None:
+        s.setsockopt(zmq.LINGER, 0)
+        by_sock[s] = m
+        poller.register(s, zmq.POLLIN)
+
+    def connect_standbys(m: dict[str, Any], addresses: Any) -> None:
+        for address in addresses[:8] if isinstance(addresses, list) else []:
+            if isinstance(address, str) and (s := m["links"].add(address)) is not None:
+                watch(m, s)
 
     def add(identity: str, role: str, node: int, rank: int | None, phase: float) -> None:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.IDENTITY, identity.encode())
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(spec["address"])
+        links = CoordinatorLinks(
+            ctx, identity, protocol.Codec(secret, spec["job_id"], identity), [spec["address"]]
+        )
         m = {
             "id": identity,
             "role": role,
             "node": node,
-            "codec": protocol.Codec(secret, spec["job_id"], identity),
+            "links": links,
             "next": time.monotonic() + phase * interval,
             "silent": False,
             "last": 0.0,
+            "heard": time.monotonic(),  # the last message from the active coordinator
+            "voted_for": None,
+            "switched": None,  # when it heartbeat a coordinator that took over
+            "told": False,
         }
+        for s in links.sockets.values():
+            watch(m, s)
         body = {"role": role, "node": node, "pid": os.getpid()}
         if rank is not None:
             body["rank"] = rank
-        s.send_multipart(m["codec"].encode(protocol.HELLO, body))
-        members[s] = m
-        by_id[identity] = s
-        poller.register(s, zmq.POLLIN)
+        links.send(protocol.HELLO, body)
+        members[identity] = m
+
+    def remove(m: dict[str, Any]) -> None:
+        for s in m["links"].sockets.values():
+            poller.unregister(s)
+            del by_sock[s]
+            s.close(linger=0)
+        m["links"].sockets.clear()
+        del members[m["id"]]
+
+    def vote(m: dict[str, Any], sock: zmq.Socket, msg: Any) -> None:
+        # As launcher.agent.Agent._vote: yes only when this node lost the active one too.
+        links = m["links"]
+        address = links.address_of(sock)
+        silent = time.monotonic() - m["heard"]
+        again = m["voted_for"] == (msg.term, msg.sender)
+        granted = address is not None and (
+            again or (msg.term > links.term and silent >= float(msg.body.get("silence_s", 1.0)) / 2)
+        )
+        if granted and not again:
+            m["voted_for"] = (msg.term, msg.sender)
+            links.adopt(msg.term, None)
+        if address is not None:
+            links.send_to(address, protocol.VOTED, {"granted": granted})
 
     todo = spec["members"]
     for i, (identity, role, node, rank) in enumerate(todo):
         add(identity, role, node, rank, i / max(1, len(todo)))
     poller.register(conn.fileno(), zmq.POLLIN)
     spares_made = 0
-    beats = 0
     while True:
         now = time.monotonic()
         due = min((m["next"] for m in members.values() if not m["silent"]), default=now + 1)
@@ -110,22 +180,37 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             if item == conn.fileno():
                 cmd = conn.recv()
                 if cmd[0] == "stop":
-                    for s in members:
-                        s.close(linger=0)
+                    for m in list(members.values()):
+                        remove(m)
                     ctx.term()
                     return
                 if cmd[0] == "count":
                     conn.send(beats)
+                if cmd[0] == "members":
+                    conn.send(
+                        [
+                            {
+                                "id": m["id"],
+                                "role": m["role"],
+                                "silent": m["silent"],
+                                "links": len(m["links"].sockets),
+                                "active": m["links"].active,
+                                "switched": m["switched"],
+                                "told": m["told"],
+                                "heard": m["heard"],
+                            }
+                            for m in members.values()
+                        ]
+                    )
                 if cmd[0] == "hang":
-                    m = members[by_id[cmd[1]]]
+                    m = members[cmd[1]]
                     m["silent"] = True
                     conn.send(m["last"])
                 if cmd[0] == "exit":
-                    victim, agent = cmd[1], cmd[2]
+                    victim, agent = members[cmd[1]], members[cmd[2]]
                     child = subprocess.Popen(["sleep", "600"])
                     pidfd = os.pidfd_open(child.pid)
-                    s = by_id.pop(victim)
-                    members[s]["silent"] = True
+                    victim["silent"] = True
                     t0 = time.monotonic()
                     child.kill()
                     waiter = select.poll()  # select() cannot take fds above 1024
@@ -133,38 +218,43 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                     waiter.poll(10_000)
                     code = child.wait()
                     os.close(pidfd)
-                    a = by_id[agent]
-                    a.send_multipart(
-                        members[a]["codec"].encode(
-                            protocol.EXITED,
-                            {"identity": victim, "pid": child.pid, "code": code, "role": "rank"},
-                        )
+                    agent["links"].send(
+                        protocol.EXITED,
+                        {"identity": victim["id"], "pid": child.pid, "code": code, "role": "rank"},
                     )
-                    poller.unregister(s)
-                    del members[s]
-                    s.close(linger=0)
+                    remove(victim)
                     conn.send(t0)
                 continue
-            m = members[item]
-            while True:
-                try:
-                    frames = item.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = m["codec"].decode(frames)
+            m = by_sock.get(item)
+            if m is None:
+                continue  # a member removed while this batch of events was pending
+            links = m["links"]
+            received = links.receive(item)
+            if received.takeover and m["switched"] is None:
+                links.send(protocol.HEARTBEAT)
+                beats += 1
+                m["switched"] = m["last"] = time.monotonic()
+                # The takeover message itself, or a later one of the new term (it was lost).
+                m["told"] = any(msg.type == protocol.TAKEOVER for msg in received.messages)
+            for msg in received.messages:
+                if msg.type == protocol.VOTE:
+                    if m["role"] == "agent":
+                        vote(m, item, msg)
+                    continue
+                m["heard"] = time.monotonic()
                 if msg.type == protocol.GENERATION:
-                    item.send_multipart(
-                        m["codec"].encode(
-                            protocol.ACK, {"generation": msg.body["generation"]}, msg.generation
-                        )
-                    )
+                    links.send(protocol.ACK, {"generation": msg.body["generation"]}, msg.generation)
                 elif msg.type == protocol.SPAWN_SPARE:
                     spares_made += 1
                     add(f"spare/{m['node']}/x{spares_made}", "spare", m["node"], None, 0)
+                elif msg.type == protocol.STANDBYS:
+                    connect_standbys(m, msg.body["addresses"])
+                elif msg.type == protocol.WELCOME:
+                    connect_standbys(m, msg.body.get("standbys", []))
         now = time.monotonic()
-        for s, m in members.items():
+        for m in members.values():
             if not m["silent"] and m["next"] <= now:
-                s.send_multipart(m["codec"].encode(protocol.HEARTBEAT))
+                m["links"].send(protocol.HEARTBEAT)
                 beats += 1
                 m["last"] = now
                 m["next"] = now + interval
@@ -173,6 +263,103 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _established(port: int) -> int:
+    """TCP connections up on ``127.0.0.1:port``, counted on its listening side."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # ESTABLISHED
+            count += 1
+    return count
+
+
+def _takeover(
+    args: argparse.Namespace,
+    run_dir: str,
+    coord: subprocess.Popen,
+    standby: subprocess.Popen,
+    conns: list[Any],
+    events: Callable[..., list[dict]],
+    wait: Callable[..., dict],
+) -> dict[str, Any]:
+    """SIGKILL the active coordinator; per member, the time until it heartbeat the standby."""
+    info = Path(run_dir) / "coordinator-1.json"
+    end = time.monotonic() + 60
+    while not info.exists():
+        if time.monotonic() > end or standby.poll() is not None:
+            raise RuntimeError("the standby coordinator did not start")
+        time.sleep(0.05)
+    address = json.loads(info.read_text())["address"]
+    wait("standby_joined", identity="coordinator/1")
+
+    def members() -> list[dict[str, Any]]:
+        for c in conns:
+            c.send(("members",))
+        return [m for c in conns for m in c.recv()]
+
+    # The members the active coordinator has: not the ones the bench stopped or hung, nor any
+    # it took for lost on its own (those are counted as unexpected faults). Each must have
+    # learnt of the standby and be connected to it before the kill.
+    end = time.monotonic() + 60
+    while True:
+        lost = {e["identity"] for e in events("fault")}
+        live = [m for m in members() if not m["silent"] and m["id"] not in lost]
+        linked = sum(1 for m in live if m["links"] == 2)
+        connected = _established(int(address.rsplit(":", 1)[1]))
+        if linked == len(live) and connected >= len(live):
+            break
+        if time.monotonic() > end:
+            raise RuntimeError(
+                f"of {len(live)} members, {linked} learnt of the standby coordinator and "
+                f"{connected} connected to it within 60s"
+            )
+        time.sleep(0.1)
+    ids = {m["id"] for m in live}
+
+    killed_at = time.monotonic()
+    coord.kill()
+    coord.wait()
+    limit = max(60.0, 20 * args.takeover_timeout)
+    while True:
+        now = {m["id"]: m for m in members() if m["id"] in ids}
+        late = sorted(i for i in ids if now.get(i, {}).get("switched") is None)
+        if not late:
+            break
+        if time.monotonic() > killed_at + limit:
+            raise RuntimeError(
+                f"{len(late)} of {len(ids)} members did not switch to the standby coordinator "
+                f"within {limit:.0f}s of the active one's kill (first: {', '.join(late[:3])})"
+            )
+        time.sleep(0.2)
+    took = wait("takeover", timeout=limit, source="coordinator/1")
+    switched = [(m["switched"] - killed_at) * 1e3 for m in now.values()]
+
+    # The standby is the coordinator now: it stays up, heartbeats every agent and hears every
+    # member (one that it did not would be a fault within a heartbeat timeout: counted).
+    time.sleep(args.heartbeat_timeout)  # the observation window itself
+    if standby.poll() is not None:
+        raise RuntimeError(f"the standby coordinator exited (code {standby.returncode})")
+    after = [m for m in members() if m["id"] in ids]
+    elsewhere = [m["id"] for m in after if m["active"] != address]
+    unheard = [m["id"] for m in after if m["role"] == "agent" and m["heard"] <= m["switched"]]
+    if elsewhere or unheard:
+        raise RuntimeError(
+            f"after the takeover {len(elsewhere)} members obey another coordinator than "
+            f"{address} and {len(unheard)} agents heard nothing from it"
+        )
+    return {
+        "takeover_ms_p50": _pct(switched, 50),
+        "takeover_ms_p99": _pct(switched, 99),
+        "takeover_timeout_s": args.takeover_timeout,
+        "takeover_members": len(switched),
+        "takeover_votes": len(took["votes"]),
+        # Members that switched on a later message of the new term: the takeover message
+        # itself did not reach them (should be 0).
+        "takeover_not_told": sum(1 for m in now.values() if not m["told"]),
+        "election_ms": (took["t"] - killed_at) * 1e3,
+    }
 
 
 def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -185,30 +372,30 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="p2p-cp-bench-") as tmp:
         secret = os.path.join(tmp, "secret")
         protocol.write_secret(secret)
-        coord = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher.coordinator",
-                "--no-store",
-                "--secret-file",
-                secret,
-                "--run-dir",
-                tmp,
-                "--world-size",
-                str(n),
-                "--ranks-per-node",
-                str(RANKS_PER_NODE),
-                "--heartbeat-timeout",
-                str(args.heartbeat_timeout),
-                "--spare-wait",
-                "600",
-                "--ack-timeout",
-                "60",
-                "--max-restarts",
-                str(args.exits + args.hangs + 1),
-            ]
-        )
+        command = [
+            sys.executable,
+            "-m",
+            "launcher.coordinator",
+            "--no-store",
+            "--secret-file",
+            secret,
+            "--run-dir",
+            tmp,
+            "--world-size",
+            str(n),
+            "--ranks-per-node",
+            str(RANKS_PER_NODE),
+            "--heartbeat-timeout",
+            str(args.heartbeat_timeout),
+            "--spare-wait",
+            "600",
+            "--ack-timeout",
+            "60",
+            "--max-restarts",
+            str(args.exits + args.hangs + 1),
+        ]
+        coord = subprocess.Popen(command)
+        standby: subprocess.Popen | None = None
         procs, conns = [], []
         try:
             info_path = Path(tmp) / "coordinator.json"
@@ -236,7 +423,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                         child,
                         {
                             "members": members,
-                            "address": f"tcp://127.0.0.1:{port}",
+                            "address": f"127.0.0.1:{port}",
                             "secret_file": secret,
                             "job_id": "p2p-job",
                             "interval": args.heartbeat_interval,
@@ -311,7 +498,23 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 last_beat = conns[node % args.workers].recv()
                 fault = wait("fault", timeout=args.heartbeat_timeout * 10, identity=f"rank/{rank}")
                 hang.append(fault["t"] - last_beat)
-            return {
+            takeover: dict[str, Any] = {}
+            if not args.no_takeover:
+                standby = subprocess.Popen(
+                    [
+                        *command,
+                        "--standby-of",
+                        f"127.0.0.1:{port}",
+                        "--node",
+                        "1",
+                        "--advertise",
+                        "127.0.0.1",
+                        "--takeover-timeout",
+                        str(args.takeover_timeout),
+                    ]
+                )
+                takeover = _takeover(args, tmp, coord, standby, conns, events, wait)
+            result = {
                 "ranks": n,
                 "coordinator_cpu_share": cpu_share,
                 "heartbeats_per_s": beat_rate,
@@ -324,10 +527,16 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 "hang_detect_s_max": max(hang) if hang else float("nan"),
                 "heartbeat_timeout_s": args.heartbeat_timeout,
                 "exit_trials": len(detect),
-                # Faults of members the bench did not stop (should be 0; else the machine was
-                # too loaded for the emulation to keep its heartbeats).
+                **takeover,
+                # Faults of members the bench did not stop, before the takeover or after it,
+                # decided by either coordinator (should be 0; else the machine was too loaded
+                # for the emulation to keep its heartbeats).
                 "unexpected_faults": len(events("fault")) - args.exits - len(hang),
             }
+            if takeover:
+                # ... of which the standby decided after it took over (none is expected then)
+                result["takeover_unexpected_faults"] = len(events("fault", source="coordinator/1"))
+            return result
         finally:
             for c in conns:
                 try:
@@ -338,8 +547,10 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-            coord.kill()
-            coord.wait()
+            for proc in (coord, standby):
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,18 +563,29 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if not args.takeover_timeout > 0:
+        print(
+            f"p2p-bench control-plane: --takeover-timeout {args.takeover_timeout}: use a number "
+            "of seconds above 0 (or --no-takeover)",
+            file=sys.stderr,
+        )
+        return 2
     sizes = [_measure_size(n, args) for n in args.ranks]
     report = {
         "benchmark": "control-plane",
         "heartbeat_interval_s": args.heartbeat_interval,
         "heartbeat_timeout_s": args.heartbeat_timeout,
+        "takeover_timeout_s": None if args.no_takeover else args.takeover_timeout,
         "sizes": sizes,
         "command": "p2p-bench control-plane " + " ".join(sys.argv[2:]),
     }
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"heartbeat every {args.heartbeat_interval}s, timeout {args.heartbeat_timeout}s")
+    print(
+        f"heartbeat every {args.heartbeat_interval}s, timeout {args.heartbeat_timeout}s"
+        + ("" if args.no_takeover else f", takeover after {args.takeover_timeout}s of silence")
+    )
     header = (
         "ranks",
         "coord CPU",
@@ -371,6 +593,7 @@ def run(args: argparse.Namespace) -> int:
         "exit detect ms p50/p99",
         "generation ms p50/p99",
         "hang detect s",
+        "takeover ms p50/p99",
     )
     print("  ".join(f"{h:>22}" for h in header))
     for s in sizes:
@@ -381,6 +604,9 @@ def run(args: argparse.Namespace) -> int:
             f"{s['detect_ms_p50']:.1f} / {s['detect_ms_p99']:.1f}",
             f"{s['generation_ms_p50']:.1f} / {s['generation_ms_p99']:.1f}",
             f"{s['hang_detect_s_p50']:.2f}",
+            f"{s['takeover_ms_p50']:.0f} / {s['takeover_ms_p99']:.0f}"
+            if "takeover_ms_p50" in s
+            else "-",
         )
         print("  ".join(f"{c:>22}" for c in cells))
     return 0

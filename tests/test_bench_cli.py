@@ -59,6 +59,14 @@ def test_control_plane_bench(capsys):
     (size,) = r["sizes"]
     # More exits in a row than --max-restarts (3): the emulated ranks must report progress.
     assert size["ranks"] == 32 and size["exit_trials"] == 5 and size["hang_detect_s_p50"] >= 1
+    # The active coordinator was SIGKILLed and the standby took over: every member the job had
+    # (4 agents, the processes holding the 32 ranks, the idle spares) switched to it; the bench
+    # raises naming how many did not, and checks the standby is the coordinator afterwards.
+    assert size["takeover_timeout_s"] == 1.0 and size["takeover_votes"] >= 3
+    assert size["takeover_not_told"] == 0  # each got the takeover message itself
+    assert size["takeover_ms_p99"] >= size["takeover_ms_p50"] > 0 and size["election_ms"] > 0
+    if size["unexpected_faults"] == 0:  # a loaded machine may lose a member on its own
+        assert size["takeover_members"] >= 32 + 4 - 1
 
 
 def test_replicate_bench(capsys):
