@@ -202,8 +202,10 @@ def validation(measured: dict[str, Any]) -> list[dict[str, Any]]:
     )
     for label in ("grow", "shrink"):
         r = rsz[label]
-        rj = Job(gpus=r["from"], gpus_per_node=1, replicas=1)
-        pred = sum(sm.resize_phases(inp, rj, r["to"]).values())
+        # Every rank runs on this one host and shares its loopback (one "node", one link); the
+        # placement and the ranks given back follow the bench's emulated nodes.
+        rj = Job(gpus=r["from"], gpus_per_node=max(r["from"], r["to"]), replicas=1)
+        pred = sum(sm.resize_phases(inp, rj, r["to"], nodes=r["nodes"]).values())
         rows.append(
             (f"resize {label} {r['from']}->{r['to']}: in place", "held-out", pred, r["resize_s"])
         )
