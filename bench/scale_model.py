@@ -252,14 +252,131 @@ def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[
 _zero = Input(0.0, "s", "cited", "not modelled: zero")
 
 
-def resize_phases(inp: Inputs, job: Job, to_gpus: int) -> dict[str, float]:
+def leaving_ranks(old: int, new: int, nodes: list[int]) -> list[int]:
+    """The ranks a shrink from ``old`` to ``new`` gives back, by the launcher's rule
+    (``launcher.policy``): nodes with the fewest ranks first, among equals the higher ranks,
+    so that whole nodes go and the low ranks keep their numbers."""
+    by_node: dict[int, list[int]] = {}
+    for rank in sorted(range(old), reverse=True):
+        by_node.setdefault(nodes[rank], []).append(rank)
+    order = [r for rs in sorted(by_node.values(), key=lambda rs: (len(rs), -rs[0])) for r in rs]
+    return sorted(order[: max(0, old - new)])
+
+
+def reshard_shares(
+    old: int,
+    new: int,
+    gpus_per_node: int,
+    k: int,
+    *,
+    nodes: list[int] | None = None,
+    leaving: list[int] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Who moves what in an in-place resize from ``old`` to ``new`` ranks: for every rank of
+    the new world, the share of the whole training state it receives from another rank and the
+    share it sends. The mechanism of ``recovery.restore`` and ``recovery.planner``:
+
+    - every parameter and its optimizer state is sharded on dim 0 (FSDP2), so new rank ``d``
+      needs the run ``[d/new, (d+1)/new)`` of the whole, and old rank ``o`` held
+      ``[o/old, (o+1)/old)``; the pieces are the overlaps;
+    - ranks that stay keep their order and are numbered from 0, joiners follow
+      (``launcher.membership``); a shrink gives back :func:`leaving_ranks`;
+    - a piece costs nothing when its receiver holds a copy of its owner's shard (its own old
+      shard, or a replica from ``p2p_state.placement.place``, ``k`` copies on a ring of
+      interleaved nodes); else its holders serve it, the least loaded first (the planner gives
+      each tensor's piece to the holder with the least load so far: over a model's many tensors
+      that fills the holders' loads level, as :func:`_fill` does).
+
+    ``nodes``: the node of every old rank, when they are not numbered node by node.
+    """
+    from p2p_state.placement import place
+
+    node_of = list(nodes) if nodes is not None else [r // gpus_per_node for r in range(old)]
+    if leaving is None:
+        leaving = leaving_ranks(old, new, node_of)
+    survivors = [r for r in range(old) if r not in set(leaving)]
+    new_rank = {o: i for i, o in enumerate(survivors[:new])}
+    placement = place(old, gpus_per_node, k, nodes)
+    holders = [
+        sorted({new_rank[h] for h in (o, *placement.holders[o]) if h in new_rank})
+        for o in range(old)
+    ]
+    recv, send = [0] * new, [0.0] * new
+    # Integer positions in units of 1 / (old * new): new rank d holds [d * old, (d + 1) * old),
+    # old rank o held [o * new, (o + 1) * new).
+    for d in range(new):
+        a, b = d * old, (d + 1) * old
+        for o in range(a // new, min(old, -(-b // new))):
+            piece = min(b, (o + 1) * new) - max(a, o * new)
+            if piece <= 0 or d in holders[o]:
+                continue
+            if not holders[o]:
+                raise ValueError(f"no copy of old rank {o} survives the resize {old} -> {new}")
+            _fill(send, holders[o], piece)
+            recv[d] += piece
+    unit = old * new
+    return [r / unit for r in recv], [s / unit for s in send]
+
+
+def _fill(load: list[float], among: list[int], amount: float) -> None:
+    """Add ``amount`` to the loads of ``among``, lowest first, levelling them (water-filling)."""
+    left = amount
+    ranks = sorted(among, key=lambda r: load[r])
+    for i in range(len(ranks)):
+        level = load[ranks[i + 1]] if i + 1 < len(ranks) else math.inf
+        group = ranks[: i + 1]
+        room = sum(level - load[g] for g in group)
+        if room >= left:
+            top = (sum(load[g] for g in group) + left) / len(group)
+            for g in group:
+                load[g] = top
+            return
+        for g in group:
+            load[g] = level
+        left -= room
+
+
+def resize_transfer_s(
+    inp: Inputs,
+    job: Job,
+    to_gpus: int,
+    *,
+    nodes: list[int] | None = None,
+    leaving: list[int] | None = None,
+) -> float:
+    """Seconds of a resize's transfer: the slowest rank's link carries the larger of what it
+    receives and what it serves (:func:`reshard_shares`; links are full duplex), and a node's
+    ranks share its ``nics_per_node`` links for what they receive (``job.gpus_per_node`` is
+    where the new ranks run)."""
+    recv, send = reshard_shares(
+        job.gpus, to_gpus, job.gpus_per_node, job.replicas, nodes=nodes, leaving=leaving
+    )
+    total = inp["params"].value * inp["state_bytes_per_param"].value
+    bw = _bw(inp, job)
+    per_rank = max(max(r, s) for r, s in zip(recv, send, strict=True)) * total / bw
+    if job.placement == "same-node":
+        return per_rank
+    by_node: dict[int, float] = {}
+    for d, r in enumerate(recv):
+        by_node[d // job.gpus_per_node] = by_node.get(d // job.gpus_per_node, 0.0) + r
+    nics = max(1.0, inp["nics_per_node"].value)
+    return max(per_rank, max(by_node.values()) * total / (nics * bw))
+
+
+def resize_phases(
+    inp: Inputs,
+    job: Job,
+    to_gpus: int,
+    *,
+    nodes: list[int] | None = None,
+    leaving: list[int] | None = None,
+) -> dict[str, float]:
     """Seconds of each phase of a graceful in-place resize from ``job.gpus`` to ``to_gpus``:
     no detection and no interrupt (ranks finish their step and switch at the next commit);
-    every rank receives the part of its new shard it did not hold, then replicates it."""
+    every rank, not only a joining one, creates the new communicators, rebuilds its model on
+    the new world, gets the part of its new shard it does not hold (:func:`resize_transfer_s`),
+    restores it and replicates it."""
     s_new = state_bytes_per_gpu(inp, to_gpus, job.shard_degree)
-    # Ranks that stay keep the overlap of their old and new shard; the joining rank (grow) gets
-    # its whole new shard, the ranks that stay after a shrink get the leaving ranks' share.
-    moved = s_new if to_gpus > job.gpus else s_new * (job.gpus - to_gpus) / job.gpus
     bw = _bw(inp, job)
     gen = inp["generation_s"].value
     return {
@@ -267,7 +384,7 @@ def resize_phases(inp: Inputs, job: Job, to_gpus: int) -> dict[str, float]:
         + inp["nccl_lazy_init_s_per_1k_ranks"].value * to_gpus / 1024,
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s_new / (inp["hbm_gbps"].value * GB),
-        "transfer": moved / bw,
+        "transfer": resize_transfer_s(inp, job, to_gpus, nodes=nodes, leaving=leaving),
         "restore": 2 * s_new / (inp["hbm_gbps"].value * GB),
         "data": inp.get("data_s", _zero).value,
         "replicate": job.replicas * s_new / bw + gen,

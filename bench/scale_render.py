@@ -100,7 +100,12 @@ def markdown(report: dict[str, Any], pngs: list[str], missing: str | None = None
         "the fixed costs were taken from; `held-out` rows are predictions. Target: within 25 %; "
         f"{h['validation_within_25_pct']} of {h['validation_rows']} rows are; worst held-out: "
         f"{h['validation_worst_held_out']['name']}, "
-        f"{h['validation_worst_held_out']['error_pct']:+.1f} %.",
+        f"{h['validation_worst_held_out']['error_pct']:+.1f} %."
+        + (
+            " What the model leaves out, and why a row misses: docs/scale-model.md."
+            if h["validation_within_25_pct"] < h["validation_rows"]
+            else ""
+        ),
         "",
         *_t(
             ("phase sum", "kind", "predicted", "measured", "error"),

@@ -132,6 +132,11 @@ def machine_inputs(measured: dict[str, Any]) -> tuple[Inputs, float]:
     mem = 2 * s / max(ph["restore"], 1e-6) / sm.GB
     rph = cmp_["restart_phases_s"]
     steps_lost = max(1, cmp_["restart_steps_lost"])
+    # The new communicators: what the ranks that record the phase took (the critical rank of a
+    # recovery is often the spare, whose join falls in `interrupt`). `interrupt` keeps the
+    # rest, so the recovery's phases still add up to what the critical rank measured.
+    comm = rec.get("communicators_ranks_s", ph["communicators"])
+    abort = max(0.0, ph["interrupt"] + ph["communicators"] - gen - comm)
 
     def m(v: float, source: str, unit: str = "s") -> Input:
         return Input(v, unit, "measured", source, v * 0.8, v * 1.25)
@@ -142,8 +147,8 @@ def machine_inputs(measured: dict[str, Any]) -> tuple[Inputs, float]:
         "exit_detect_s": m(ph["detect"], src),
         "hang_detect_s": m(ph["detect"], src),
         "generation_s": m(gen, gsrc),
-        "nccl_abort_s": m(max(0.0, ph["interrupt"] - gen), src),
-        "nccl_connect_s": m(ph["communicators"], src),
+        "nccl_abort_s": m(abort, src),
+        "nccl_connect_s": m(comm, f"{src}: median over the ranks that record it"),
         "nccl_lazy_init_s_per_1k_ranks": m(0.0, src),
         "plan_fixed_s": m(max(0.0, ph["plan"] - gen), src),
         "build_fixed_s": m(max(0.0, ph["build"] - s / (mem * sm.GB)), src),
@@ -161,8 +166,22 @@ def machine_inputs(measured: dict[str, Any]) -> tuple[Inputs, float]:
             rec["num_params"] * 12 / max(rph["load checkpoint"], 1e-6) / sm.GB, csrc, "GB/s"
         ),
         "restart_step_s": m(rph["recompute"] / steps_lost, f"{csrc}: recompute / steps lost"),
+        "restart_ranks": Input(
+            cmp_.get("world_size", 4), "ranks", "measured", f"{csrc}: ranks restarted"
+        ),
+        "cpu_cores": Input(
+            measured["cpu_cores"], "cores", "measured", measured["cpu_cores_source"]
+        ),
     }
     return inp, s
+
+
+def cpu_share(inp: Inputs, ranks: int) -> float:
+    """How much longer CPU-bound start-up work (interpreter and imports, building the model)
+    takes on this host when ``ranks`` processes do it at once, against the run it was measured
+    in: the processes share ``cpu_cores`` cores, so the time goes as ``max(ranks, cores)``."""
+    cores = inp["cpu_cores"].value
+    return max(ranks, cores) / max(inp["restart_ranks"].value, cores)
 
 
 def _err(pred: float, meas: float) -> float:
@@ -202,19 +221,25 @@ def validation(measured: dict[str, Any]) -> list[dict[str, Any]]:
     )
     for label in ("grow", "shrink"):
         r = rsz[label]
-        rj = Job(gpus=r["from"], gpus_per_node=1, replicas=1)
-        pred = sum(sm.resize_phases(inp, rj, r["to"]).values())
+        # Every rank runs on this one host and shares its loopback (one "node", one link); the
+        # placement and the ranks given back follow the bench's emulated nodes.
+        rj = Job(gpus=r["from"], gpus_per_node=max(r["from"], r["to"]), replicas=1)
+        pred = sum(sm.resize_phases(inp, rj, r["to"], nodes=r["nodes"]).values())
         rows.append(
             (f"resize {label} {r['from']}->{r['to']}: in place", "held-out", pred, r["resize_s"])
         )
         d = rsz["dcp_" + label]
         dj = Job(gpus=d["to"], gpus_per_node=1)
         dph = sm.restart_phases(inp, dj)
-        # A DCP resize launches a new job: nothing to terminate, but the launcher (torchrun, an
-        # interpreter importing torch) starts before it starts the workers; the bench's clock
-        # runs from that launch.
-        keys = ("process start", "init communicators", "build", "load checkpoint", "data")
-        pred = dph["process start"] + sum(dph[k] for k in keys)
+        # A DCP resize launches a new job: nothing to terminate; the launcher (torchrun, one
+        # interpreter importing torch, alone on the host) starts, then the new world's workers
+        # start and build their model all at once, sharing the host's cores; the bench's clock
+        # runs from the launch.
+        launcher = dph["process start"] * cpu_share(inp, 1)
+        workers = (dph["process start"] + inp["cold_build_s"].value) * cpu_share(inp, d["to"])
+        keys = ("init communicators", "load checkpoint", "data")
+        build_mem = dph["build"] - inp["cold_build_s"].value
+        pred = launcher + workers + build_mem + sum(dph[k] for k in keys)
         rows.append(
             (
                 f"resize {label} through DCP: restart and load",
