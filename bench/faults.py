@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from recovery.phases import ANNOUNCED_PHASES
+
 logger = logging.getLogger(__name__)
 
 ENV_INJECT = "P2P_INJECT"
@@ -58,7 +60,7 @@ KINDS = (
     "bitflip",
 )
 STEP_PHASES = ("forward", "backward", "optimizer", "replication")
-RECOVERY_PHASES = ("communicators", "plan", "build", "transfer", "restore", "replicate")
+RECOVERY_PHASES = ANNOUNCED_PHASES
 _SPEC = re.compile(
     r"^(?P<kind>[a-z-]+):(?P<key>rank|node)=(?P<target>\d+)@(?P<when>step|recovery)=(?P<at>\d+)"
     r"(?::phase=(?P<phase>[a-z]+))?$"

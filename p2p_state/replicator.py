@@ -47,7 +47,7 @@ from p2p_state.memory import (
     resolve_kind,
 )
 from p2p_state.placement import Placement, place
-from p2p_state.snapshot import HEADER_WORDS, DoubleBuffer, Slot, SnapshotHeader
+from p2p_state.snapshot import HEADER_WORDS, Copy, DoubleBuffer, Slot, SnapshotHeader
 from p2p_state.state import TrainingState
 from p2p_state.transfer import Recv, Send, exchange, gather_bytes
 
@@ -279,7 +279,7 @@ class Replicator:
         Args:
             step: The global step the state stands for (after its optimizer step).
             extras: Small msgpack-able values to carry with the snapshot (e.g. a sampler
-                position); :meth:`restore_own` and friends return them.
+                position); :meth:`restore_from_buddies` and the recovery engine return them.
 
         Returns:
             Whether a snapshot was taken (``False`` when ``step`` is not a multiple of
@@ -529,15 +529,11 @@ class Replicator:
         assert 0 <= start <= end <= slot.header.nbytes
         return slot.buffer[start:end]
 
-    def copies(self) -> list[tuple[int, int, int, bool]]:
-        """Every complete copy held here as ``(world_size, owner, step, is_own)``.
-
-        A copy of ``owner``'s state at ``step`` in a world of ``world_size`` ranks is the same
-        bytes whichever generation made it, which is what recovery plans with.
-        """
-        out = [(self.world_size, self.rank, s, True) for s in self.own_steps()]
+    def copies(self) -> list[Copy]:
+        """Every complete copy held here (own snapshots and replicas)."""
+        out = [Copy(self.world_size, self.rank, s, True) for s in self.own_steps()]
         for owner, infos in self.holdings().items():
-            out += [(self.world_size, owner, i.step, False) for i in infos]
+            out += [Copy(self.world_size, owner, i.step, False) for i in infos]
         return out
 
     def slot(self, owner: int, step: int) -> Slot:
@@ -553,14 +549,6 @@ class Replicator:
         if not slot.verify():
             raise ReplicaCorruptError(f"rank {self.rank}'s own snapshot of {step} is corrupt")
         return slot
-
-    def restore_own(self, step: int) -> tuple[int, dict[str, Any]]:
-        """Roll the live state back to this rank's own snapshot of ``step``.
-
-        Returns:
-            ``(step, extras)`` as passed to :meth:`replicate`.
-        """
-        return self.state.restore(self.own_slot(step).buffer)
 
     def restore_from_buddies(self, ranks: Sequence[int], step: int) -> dict[str, Any] | None:
         """Rebuild the state of ``ranks`` at ``step`` from the replicas their first buddies hold.

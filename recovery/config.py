@@ -1,19 +1,14 @@
-"""What a protected job is configured with, the errors it raises and the record of a recovery."""
+"""What a protected job is configured with and the record of a recovery (its errors:
+:mod:`recovery.errors`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2p_state.config import ReplicationConfig
 from recovery.checkpoint import CheckpointConfig
-
-
-class RecoveryFailed(RuntimeError):
-    """The job cannot go on: no copy of some state survives and there is no checkpoint."""
-
-
-class ConfigurationError(ValueError):
-    """The job is set up in a way it cannot run; the message names the fix."""
+from recovery.source import RestoreSource
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,8 +55,8 @@ class RecoveryRecord:
 
     generation: int
     cause: str
-    source: str = ""
-    """``peers``, ``checkpoint`` or ``initial``."""
+    source: RestoreSource | None = None
+    """Where the state came from (``None`` until it is restored)."""
     step: int = -1
     """The step the job was restored to."""
     phases: dict[str, float] = field(default_factory=dict)
@@ -71,3 +66,27 @@ class RecoveryRecord:
     step_reached: int = -1
     """The last step this rank had completed when the fault took it out of training (-1 for a
     spare): the steps after the restored one up to it are done again."""
+
+    def done_event(self, rank: int | None, world_size: int) -> dict[str, Any]:
+        """The fields of the ``recovery_done`` event of this rank."""
+        return {
+            "generation": self.generation,
+            "rank": rank,
+            "world_size": world_size,
+            "restored_from": self.source.value if self.source is not None else None,
+            "step": self.step,
+            "phases": self.phases,
+            "bytes_received": self.bytes_received,
+            "cause": self.cause,
+            "started_t": self.started_t,
+            "step_reached": self.step_reached,
+        }
+
+    def summary(self, rank: int | None) -> str:
+        """One line for the log."""
+        source = self.source.value if self.source is not None else "nowhere"
+        phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.phases.items())
+        return (
+            f"rank {rank}: restored step {self.step} from {source} in generation "
+            f"{self.generation} ({phases})"
+        )
