@@ -238,3 +238,67 @@ def test_a_step_outside_the_loop_is_one_clear_error(session):
         next(job)
         with pytest.raises(RuntimeError, match="was not run inside"):
             next(job)
+
+
+# -- the pieces the job is made of ------------------------------------------------------------
+
+
+def test_the_restore_source_is_peers_then_checkpoint_then_initial_else_a_clear_failure():
+    from p2p_state.snapshot import Copy
+    from recovery.source import RestoreSource, choose_restore_source
+
+    complete = [{Copy(2, 0, 4, True), Copy(2, 1, 4, False)}, {Copy(2, 1, 4, True)}]
+    lost = [{Copy(2, 0, 4, True)}, set()]  # rank 1's shard has no copy left
+    initial = [{Copy(2, 0, 0, True)}, set()]
+    asked: list[str] = []
+
+    def steps(root: str) -> list[int]:
+        asked.append(root)
+        return [2] if root == "/ckpt" else []
+
+    def choose(held, root):
+        return choose_restore_source(held, 2, checkpoint_root=root, checkpoint_steps=steps)
+
+    assert choose(complete, "/ckpt") is RestoreSource.PEERS
+    assert asked == []  # the checkpoint directory is listed only when the peers fall short
+    assert choose(lost, "/ckpt") is RestoreSource.CHECKPOINT
+    assert choose(initial, None) is RestoreSource.INITIAL
+    with pytest.raises(RecoveryFailed, match=r"ranks \[1\].*RecoveryConfig.checkpoint is not set"):
+        choose(lost, None)
+    with pytest.raises(RecoveryFailed, match="no complete checkpoint under '/empty'"):
+        choose(lost, "/empty")
+
+
+class FakeStore:
+    """A replicator as the stores see it: copies, memory given back, a commit."""
+
+    def __init__(self, committed_step: int = -1) -> None:
+        self.committed_step = committed_step
+        self.given: list[int | None] = []
+        self.abandoned: list[float] = []
+
+    def give_back(self, pool, keep_step=None) -> int:
+        self.given.append(keep_step)
+        return 100
+
+    def abandon(self, timeout_s: float = 10.0) -> bool:
+        self.abandoned.append(timeout_s)
+        return True
+
+
+def test_old_generations_give_back_all_but_the_restored_step_then_the_rest_once_it_committed():
+    from recovery.stores import GenerationStores
+
+    stores = GenerationStores()
+    old, new = FakeStore(), FakeStore(committed_step=3)
+    stores.add(old, restored_step=0)
+    stores.abandon(0.05)
+    assert old.abandoned == [0.05]
+    pool = stores.recycle_for(5)
+    assert old.given == [5]  # the copies of the restored step stay: the fallback
+    stores.add(new, restored_step=5)
+    assert stores.all == [new, old] and stores.has_old
+    assert stores.release_old() is None  # the new copy of step 5 is not committed yet
+    new.committed_step = 5
+    assert stores.release_old() == (100, pool.reused_bytes)
+    assert old.given == [5, None] and stores.all == [new] and not stores.has_old
