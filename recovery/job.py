@@ -340,7 +340,10 @@ class ProtectedJob:
                 self._enter_generation(info, rec)
                 return
             except Exception as e:
-                if self._decide(e, recovering=True) is not Action.RECOVER:
+                action = self._decide(e, recovering=True)
+                if action is Action.RAISE:
+                    self._shutdown()
+                if action is not Action.RECOVER:
                     raise
                 logger.warning(
                     "%s: recovery into generation %d failed (%s); waiting for the next",
@@ -390,7 +393,7 @@ class ProtectedJob:
         try:
             self._enter_generation(info, rec)
         except Exception as e:
-            if self._decide(e, recovering=True) is not Action.RECOVER:
+            if self._decide(e) is not Action.RECOVER:
                 raise
             self._recover(e)
 

@@ -302,3 +302,11 @@ def test_old_generations_give_back_all_but_the_restored_step_then_the_rest_once_
     new.committed_step = 5
     assert stores.release_old() == (100, pool.reused_bytes)
     assert old.given == [5, None] and stores.all == [new] and not stores.has_old
+
+
+def test_a_user_error_during_a_recovery_shuts_the_job_down(session):
+    session.next_generation.return_value = _info(2)
+    job, _ = _job(session, TypeError("the factory returned a list"))
+    with pytest.raises(TypeError, match="factory"):
+        job._recover(RuntimeError(GLOO_PEER_CLOSED))  # as from __enter__, outside any `with`
+    job._shutdown.assert_called()
