@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from recovery.config import RecoveryConfig
+    from recovery.job import ProtectedJob
     from recovery.session import Session
 
 logger = logging.getLogger(__name__)
@@ -187,10 +188,14 @@ def protect(
 class _EntryPoint:
     """Where a protected job's ending becomes the process's exit code (the one place)."""
 
-    def __init__(self, job: Any) -> None:
+    def __init__(self, job: ProtectedJob) -> None:
         self.job = job
 
-    def __enter__(self) -> Any:
+    def __getattr__(self, name: str) -> Any:
+        # Before the `with`, the job's own API (add_hook, config, ...) is reached through here.
+        return getattr(self.job, name)
+
+    def __enter__(self) -> ProtectedJob:
         try:
             return self.job.__enter__()
         except Exception as e:
