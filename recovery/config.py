@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p_state.config import ReplicationConfig
+from recovery import phases
 from recovery.checkpoint import CheckpointConfig
 from recovery.source import RestoreSource
 
@@ -66,6 +67,32 @@ class RecoveryRecord:
     step_reached: int = -1
     """The last step this rank had completed when the fault took it out of training (-1 for a
     spare): the steps after the restored one up to it are done again."""
+
+    @classmethod
+    def after_fault(
+        cls,
+        generation: int,
+        cause: str,
+        *,
+        caught_t: float,
+        interrupted_t: float,
+        generation_t: float,
+        step_reached: int,
+    ) -> RecoveryRecord:
+        """The record of a recovery from a fault this rank caught at ``caught_t``.
+
+        Args:
+            interrupted_t: When the coordinator's word (interrupt or generation) arrived.
+            generation_t: When the generation recovered into arrived.
+        """
+        rec = cls(
+            generation, cause, started_t=min(interrupted_t, caught_t), step_reached=step_reached
+        )
+        # From the coordinator's word to the training thread leaving the step; or, when a
+        # collective failed first, from that failure to the coordinator's word.
+        rec.phases[phases.INTERRUPT] = max(0.0, caught_t - interrupted_t)
+        rec.phases[phases.WAIT] = max(0.0, generation_t - caught_t)
+        return rec
 
     def done_event(self, rank: int | None, world_size: int) -> dict[str, Any]:
         """The fields of the ``recovery_done`` event of this rank."""

@@ -47,7 +47,7 @@ from recovery.checkpoint import ColdCheckpointer, complete_steps
 from recovery.comms import Interrupted
 from recovery.config import CAUSE_JOINED, RecoveryConfig, RecoveryRecord
 from recovery.devices import snapshot_device, training_device, wire_device
-from recovery.errors import ConfigurationError, GivenBack, JobStopped, RecoveryFailed
+from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed
 from recovery.faults import Action, decide, short, without_frames
 from recovery.hooks import Hook, JobHooks, hooks_from_env
 from recovery.planner import Source
@@ -56,7 +56,7 @@ from recovery.replication import JobReplication
 from recovery.restore import gather_copies
 from recovery.session import GenerationInfo, JobEnded, Session
 from recovery.source import RestoreSource, choose_restore_source
-from recovery.stop import stop_checkpoint_root, write_stop_checkpoint
+from recovery.stop import stop_with_checkpoint
 from recovery.warmup import Build, capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -324,17 +324,14 @@ class ProtectedJob:
         tried = 0
         while True:
             info = self._next_generation(cause, tried)
-            arrived = self._session.interrupt_time() or info.arrived_t
-            rec = RecoveryRecord(
+            rec = RecoveryRecord.after_fault(
                 info.generation,
                 short(cause),
-                started_t=min(arrived, caught_t),
+                caught_t=caught_t,
+                interrupted_t=self._session.interrupt_time() or info.arrived_t,
+                generation_t=info.arrived_t,
                 step_reached=reached,
             )
-            # From the coordinator's word to the training thread leaving the step; or, when a
-            # collective failed first, from that failure to the coordinator's word.
-            rec.phases[phases.INTERRUPT] = max(0.0, caught_t - arrived)
-            rec.phases[phases.WAIT] = max(0.0, info.arrived_t - caught_t)
             tried = info.generation
             try:
                 self._enter_generation(info, rec)
@@ -497,23 +494,20 @@ class ProtectedJob:
         Raises:
             JobStopped: always, once the checkpoint is written.
         """
-        root = stop_checkpoint_root(self.config)
         assert self.state is not None
-        write_stop_checkpoint(
-            root,
+        stopped = stop_with_checkpoint(
+            self._session,
+            self.config,
             self.state,
             step,
             self._extras(),
             group=self._copies.checkpoint_group(),
             source=self._source,
             stores=self._copies.stores.all,
+            reason=info.reason,
         )
-        self._session.event("stop_checkpoint_written", step=step, root=root)
-        if self._session.client is not None:
-            self._session.client.report_done(checkpoint_step=step)
-        logger.error("the job stops: %s; a checkpoint of step %d is in %s", info.reason, step, root)
         self._shutdown()
-        raise JobStopped(f"{info.reason}; a checkpoint of step {step} is in {root}")
+        raise stopped
 
     # -- plumbing ------------------------------------------------------------------------------
 

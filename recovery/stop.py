@@ -7,6 +7,7 @@ the copies held of them), so a job resumed at that size continues exactly.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +18,12 @@ from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
 from recovery.config import RecoveryConfig
+from recovery.errors import JobStopped
 from recovery.planner import Source, shard_layout
 from recovery.restore import find_copy
+from recovery.session import Session
+
+logger = logging.getLogger(__name__)
 
 
 def stop_checkpoint_root(config: RecoveryConfig) -> str:
@@ -29,6 +34,35 @@ def stop_checkpoint_root(config: RecoveryConfig) -> str:
     return config.emergency_checkpoint_root or os.path.join(
         os.environ.get("P2P_RUN_DIR", "."), "checkpoints"
     )
+
+
+def stop_with_checkpoint(
+    session: Session,
+    config: RecoveryConfig,
+    state: TrainingState,
+    step: int,
+    extras: dict[str, Any],
+    *,
+    group: dist.ProcessGroup,
+    source: Source | None,
+    stores: Sequence[Replicator],
+    reason: str,
+) -> JobStopped:
+    """Write the restored ``step`` as the stop checkpoint and tell the coordinator.
+
+    Args:
+        reason: Why the coordinator stops the job.
+
+    Returns:
+        The ending to raise once the job has shut down.
+    """
+    root = stop_checkpoint_root(config)
+    write_stop_checkpoint(root, state, step, extras, group=group, source=source, stores=stores)
+    session.event("stop_checkpoint_written", step=step, root=root)
+    if session.client is not None:
+        session.client.report_done(checkpoint_step=step)
+    logger.error("the job stops: %s; a checkpoint of step %d is in %s", reason, step, root)
+    return JobStopped(f"{reason}; a checkpoint of step {step} is in {root}")
 
 
 def write_stop_checkpoint(
