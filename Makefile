@@ -21,6 +21,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff format .
@@ -33,4 +34,4 @@ bench: install
 	$(VENV)/bin/p2p-bench replicate
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

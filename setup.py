@@ -32,6 +32,7 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "ruff>=0.6",
+            "mypy>=1.10",
             "moto[server]>=5.0",
             "s3fs>=2024.2",
         ],

@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from recovery.phases import ANNOUNCED_PHASES
+
 logger = logging.getLogger(__name__)
 
 ENV_INJECT = "P2P_INJECT"
@@ -69,7 +71,7 @@ KINDS = (
 #: Faults of the control plane, not of a rank: they name no target.
 COORDINATOR_KINDS = ("kill-coordinator", "hang-coordinator")
 STEP_PHASES = ("forward", "backward", "optimizer", "replication")
-RECOVERY_PHASES = ("communicators", "plan", "build", "transfer", "restore", "replicate")
+RECOVERY_PHASES = ANNOUNCED_PHASES
 _SPEC = re.compile(
     r"^(?P<kind>[a-z-]+)(?::(?P<key>rank|node)=(?P<target>\d+))?@(?P<when>step|recovery)="
     r"(?P<at>\d+)"

@@ -23,9 +23,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-RANK_PHASES = ("communicators", "plan", "build", "transfer", "restore", "data", "replicate")
-#: What a rank records before its recovery proper; the bench cuts that span on its own clock.
-_NOT_RANK_PHASES = ("interrupt", "wait")
+from recovery.phases import BEFORE_RANK_PHASES as _NOT_RANK_PHASES
+from recovery.phases import RANK_PHASES
 
 Event = dict[str, Any]
 

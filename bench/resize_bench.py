@@ -37,7 +37,7 @@ from bench.baseline import run_baseline
 from bench.fault_runs import UsageError
 from bench.runner import EXAMPLE, LocalJob
 from recovery.config import CAUSE_JOINED as JOINED
-from recovery.job import ENV_JOB_HOOKS
+from recovery.hooks import ENV_JOB_HOOKS
 
 #: The job hook pacing the in-place run's steps (see :func:`pace`).
 PACE_HOOK = "bench.resize_bench:pace"

@@ -23,7 +23,7 @@ from typing import Any
 from bench import probe
 from bench.faults import ENV_INJECT, Fault, to_env
 from launcher.events import read_events
-from recovery.job import ENV_JOB_HOOKS
+from recovery.hooks import ENV_JOB_HOOKS
 
 #: The example training job (a checkout's ``examples/``; see README).
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")

@@ -24,19 +24,6 @@ from dataload.cache import SampleCache
 from dataload.sampler import SamplerState, advance, plan_batch, rank_ids, state_at_step
 
 
-class CacheDataset(torch.utils.data.Dataset):
-    """A ``torch`` dataset over the memory-mapped cache (sample ``i`` as a tensor)."""
-
-    def __init__(self, cache: SampleCache) -> None:
-        self.cache = cache
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.from_numpy(np.array(self.cache[i]))
-
-
 class ResumableLoader:
     """Per-step batches for one rank; the whole position is :meth:`state_dict`.
 

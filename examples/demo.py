@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PHASES = ("interrupt", "communicators", "plan", "build", "transfer", "restore", "replicate")
+from recovery.phases import PEER_RECOVERY_PHASES as PHASES
 
 
 def _print_recovery(outcome, kill_at: int) -> None:

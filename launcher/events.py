@@ -20,7 +20,7 @@ EVENTS_FILE = "events.jsonl"
 class EventLog:
     """Appends events to ``<run_dir>/events.jsonl`` (or nowhere when ``run_dir`` is None)."""
 
-    def __init__(self, run_dir: str | os.PathLike | None, source: str) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str] | None, source: str) -> None:
         self.source = source
         self._fd = None
         if run_dir is not None:
@@ -45,12 +45,12 @@ class EventLog:
             self._fd = None
 
 
-def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All events of a run, in file order (unparseable lines are skipped)."""
     return read_json_lines(Path(run_dir) / EVENTS_FILE)
 
 
-def read_json_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_json_lines(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The objects of a JSON-lines file, in order; a missing file is empty, and a line cut
     short by a writer that died mid-write is skipped."""
     path = Path(path)

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from p2p_state.state import TrainingState
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'p2p_state' has no attribute {name!r}")

@@ -35,8 +35,12 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recovery.config import RecoveryConfig
+    from recovery.job import ProtectedJob
+    from recovery.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ ENV_CHECKPOINT_DIR = "P2P_CHECKPOINT_DIR"
 ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"
 ENV_RESUME = "P2P_RESUME"
 
-_session = None
+_session: Session | None = None
 
 
 def init_process_group(
@@ -89,6 +93,7 @@ def init_process_group(
     from launcher import protocol
     from launcher.client import ClientConfig
     from recovery.comms import Interrupted
+    from recovery.errors import EXIT_OK, exit_code_of
     from recovery.session import JobEnded, NotAMember, Session
 
     if _session is not None:
@@ -121,8 +126,8 @@ def init_process_group(
             if client_config.role == "spare":
                 logger.info("the job ended before this spare was needed")
                 session.close()
-                sys.exit(0)
-            raise SystemExit(e.code or 1) from None
+                raise SystemExit(EXIT_OK) from None
+            raise SystemExit(exit_code_of(e)) from None
         tried = info.generation
         try:
             session.join(info)
@@ -146,7 +151,7 @@ def protect(
     loader: Any = None,
     config: Any = None,
     max_steps: int | None = None,
-):
+) -> _EntryPoint:
     """Wrap a training loop so a lost rank is rebuilt from its peers in place.
 
     Args:
@@ -161,7 +166,10 @@ def protect(
         max_steps: The last global step (``None``: until the loop is left).
 
     Returns:
-        A :class:`recovery.job.ProtectedJob` (a context manager; iterate it for the steps).
+        A context manager whose ``with`` gives the :class:`recovery.job.ProtectedJob` (iterate
+        it for the steps). It is the entry point of the engine's endings: a job given back,
+        stopped, failed or set up wrongly ends the process with its exit code
+        (:func:`recovery.errors.exit_code_of`), with one line in the log and no traceback.
     """
     from recovery.job import ProtectedJob
 
@@ -170,9 +178,49 @@ def protect(
             "call p2p_state.init_process_group() before p2p_state.protect() (it replaces "
             "torch.distributed.init_process_group)"
         )
-    return ProtectedJob(
-        _session, build, loader=loader, config=config or config_from_env(), max_steps=max_steps
+    return _EntryPoint(
+        ProtectedJob(
+            _session, build, loader=loader, config=config or config_from_env(), max_steps=max_steps
+        )
     )
+
+
+class _EntryPoint:
+    """Where a protected job's ending becomes the process's exit code (the one place)."""
+
+    def __init__(self, job: ProtectedJob) -> None:
+        self.job = job
+
+    def __getattr__(self, name: str) -> Any:
+        # Before the `with`, the job's own API (add_hook, config, ...) is reached through here.
+        return getattr(self.job, name)
+
+    def __enter__(self) -> ProtectedJob:
+        try:
+            return self.job.__enter__()
+        except Exception as e:
+            _exit_if_ending(e)
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.job.__exit__(exc_type, exc, tb)
+        if isinstance(exc, Exception):
+            _exit_if_ending(exc)
+
+
+def _exit_if_ending(exc: Exception) -> None:
+    """End the process with ``exc``'s exit code if it is one of the job's endings."""
+    from recovery.errors import ConfigurationError, RecoveryFailed, exit_code_of
+
+    code = exit_code_of(exc)
+    if code is None:
+        return  # the user's own error: it stands, traceback and all
+    if isinstance(exc, RecoveryFailed) and _session is not None:
+        # The coordinator has the reason and p2p-run reports it: one line here, no traceback.
+        logger.error("%s: %s", _session.identity, exc)
+    elif isinstance(exc, (ConfigurationError, RecoveryFailed)):
+        logger.error("%s", exc)
+    raise SystemExit(code) from None
 
 
 def restoring() -> bool:
@@ -201,7 +249,7 @@ def restoring() -> bool:
     return _restoring()
 
 
-def config_from_env():
+def config_from_env() -> RecoveryConfig:
     """The :class:`recovery.config.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
     from p2p_state.config import ReplicationConfig
     from recovery.checkpoint import CheckpointConfig
@@ -220,6 +268,6 @@ def config_from_env():
     )
 
 
-def current_session():
+def current_session() -> Session | None:
     """The process's :class:`recovery.session.Session` (``None`` before init_process_group)."""
     return _session

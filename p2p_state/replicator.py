@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,11 +43,10 @@ from p2p_state.memory import (
     Checksum,
     MemoryKind,
     check_fits,
-    checksum,
     resolve_kind,
 )
 from p2p_state.placement import Placement, place
-from p2p_state.snapshot import HEADER_WORDS, DoubleBuffer, Slot, SnapshotHeader
+from p2p_state.snapshot import HEADER_WORDS, Copy, DoubleBuffer, Slot, SnapshotHeader
 from p2p_state.state import TrainingState
 from p2p_state.transfer import Recv, Send, exchange, gather_bytes
 
@@ -279,7 +278,7 @@ class Replicator:
         Args:
             step: The global step the state stands for (after its optimizer step).
             extras: Small msgpack-able values to carry with the snapshot (e.g. a sampler
-                position); :meth:`restore_own` and friends return them.
+                position); the recovery engine returns them with the restored state.
 
         Returns:
             Whether a snapshot was taken (``False`` when ``step`` is not a multiple of
@@ -529,15 +528,11 @@ class Replicator:
         assert 0 <= start <= end <= slot.header.nbytes
         return slot.buffer[start:end]
 
-    def copies(self) -> list[tuple[int, int, int, bool]]:
-        """Every complete copy held here as ``(world_size, owner, step, is_own)``.
-
-        A copy of ``owner``'s state at ``step`` in a world of ``world_size`` ranks is the same
-        bytes whichever generation made it, which is what recovery plans with.
-        """
-        out = [(self.world_size, self.rank, s, True) for s in self.own_steps()]
+    def copies(self) -> list[Copy]:
+        """Every complete copy held here (own snapshots and replicas)."""
+        out = [Copy(self.world_size, self.rank, s, True) for s in self.own_steps()]
         for owner, infos in self.holdings().items():
-            out += [(self.world_size, owner, i.step, False) for i in infos]
+            out += [Copy(self.world_size, owner, i.step, False) for i in infos]
         return out
 
     def slot(self, owner: int, step: int) -> Slot:
@@ -553,76 +548,6 @@ class Replicator:
         if not slot.verify():
             raise ReplicaCorruptError(f"rank {self.rank}'s own snapshot of {step} is corrupt")
         return slot
-
-    def restore_own(self, step: int) -> tuple[int, dict[str, Any]]:
-        """Roll the live state back to this rank's own snapshot of ``step``.
-
-        Returns:
-            ``(step, extras)`` as passed to :meth:`replicate`.
-        """
-        return self.state.restore(self.own_slot(step).buffer)
-
-    def restore_from_buddies(self, ranks: Sequence[int], step: int) -> dict[str, Any] | None:
-        """Rebuild the state of ``ranks`` at ``step`` from the replicas their first buddies hold.
-
-        Collective over the replication group (every rank calls it with the same arguments).
-        Each listed rank receives its replica's header and bytes from ``holders[rank][0]``,
-        checks the checksum, and restores its live state in place. Other ranks only serve. The
-        general case (spread over all holders, other world sizes) is the recovery planner's.
-
-        Returns:
-            On a listed rank ``{"step", "extras", "holder", "nbytes"}``; ``None`` elsewhere.
-
-        Raises:
-            KeyError: a holder lacks a complete replica of that step.
-            ReplicaCorruptError: the replica failed its checksum, at the holder or on arrival.
-        """
-        self.flush()
-        sends, recvs, result = [], [], None
-        incoming_header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._wire_device)
-        incoming = None
-        for r in ranks:
-            holder = self.placement.holders[r][0]
-            if holder == self.rank:
-                slot = self.replica_slot(r, step)
-                header = slot.header.to_tensor().to(self._wire_device)
-                sends += [
-                    Send(r, header.view(torch.uint8)),
-                    Send(r, slot.buffer[: slot.header.nbytes]),
-                ]
-            elif r == self.rank:
-                incoming = torch.empty(
-                    self.state.layout.total_bytes,
-                    dtype=torch.uint8,
-                    device=self.device if self.kind is MemoryKind.GPU else "cpu",
-                )
-                recvs += [Recv(holder, incoming_header.view(torch.uint8)), Recv(holder, incoming)]
-                result = {"holder": holder, "nbytes": incoming.numel()}
-        exchange(
-            sends,
-            recvs,
-            self.group,
-            chunk_bytes=self.config.chunk_bytes,
-            timeout_s=self.config.timeout_s,
-        )
-        if incoming is None:
-            return None
-        header = SnapshotHeader.from_tensor(incoming_header)
-        if header.layout_hash != self.state.layout.layout_hash or header.step != step:
-            raise LayoutMismatchError(
-                f"rank {result['holder']} served step {header.step} of layout "
-                f"{header.layout_hash}; rank {self.rank} needs step {step} of "
-                f"{self.state.layout.describe()}"
-            )
-        if checksum(incoming) != header.checksum:
-            raise ReplicaCorruptError(
-                f"the replica of rank {self.rank} at step {step} from rank {result['holder']} "
-                "arrived corrupt"
-            )
-        result["step"], result["extras"] = self.state.restore(incoming)
-        return result
-
-    # -- shutdown ------------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the worker thread (after the round in progress) and release the process group."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from p2p_state.memory import BufferPool, MemoryKind, allocate, checksum
+from p2p_state.checksum import checksum
+from p2p_state.memory import BufferPool, MemoryKind, allocate
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,20 @@ def _to_i64(u: int) -> int:
 
 def _to_u64(i: int) -> int:
     return i + (1 << 64) if i < 0 else i
+
+
+class Copy(NamedTuple):
+    """A complete copy of one rank's state held here, as recovery plans with it.
+
+    A copy of ``owner``'s state at ``step`` in a world of ``world_size`` ranks is the same bytes
+    whichever generation made it."""
+
+    world_size: int
+    owner: int
+    """The rank (in that world) whose state it is."""
+    step: int
+    is_own: bool
+    """This rank's own snapshot, not a replica of another rank's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +110,7 @@ class Slot:
         """Recompute the checksum; on a mismatch mark the slot corrupt and log it."""
         if self.header is None:
             return False
+        assert self.buffer is not None  # a slot with a header has been written
         actual = checksum(self.buffer[: self.header.nbytes])
         if actual != self.header.checksum:
             self.corrupt = True

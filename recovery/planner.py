@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from p2p_state.layout import ALIGN_BYTES, StateLayout, TensorEntry, dtype_from_name
+from p2p_state.snapshot import Copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +266,7 @@ class Source:
     """New rank -> the old rank whose per-rank state (RNG, schedule, extras) it takes."""
 
 
-def choose_source(
-    copies: Sequence[Iterable[tuple[int, int, int, bool]]], new_world_size: int
-) -> Source | None:
+def choose_source(copies: Sequence[Iterable[Copy]], new_world_size: int) -> Source | None:
     """The most recent state every shard of which some new rank still holds.
 
     A copy of rank ``r``'s state at step ``s`` in a world of ``W`` ranks is the same bytes
@@ -277,8 +276,7 @@ def choose_source(
     going to, which moves fewer bytes).
 
     Args:
-        copies: ``copies[new_rank]``: ``(world_size, owner, step, is_own)`` of every verified
-            copy that new rank holds.
+        copies: ``copies[new_rank]``: every verified copy that new rank holds.
         new_world_size: Ranks of the world being restored into.
 
     Returns:

@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from p2p_state.layout import LayoutMismatchError
 from p2p_state.replicator import ReplicaCorruptError, Replicator
-from p2p_state.snapshot import Slot
+from p2p_state.snapshot import Copy, Slot
 from p2p_state.state import TrainingState
 from p2p_state.transfer import Recv, Send, exchange, gather_bytes, transfer_tag
+from recovery import phases
 from recovery.planner import RestorePlan, Source, choose_source, plan_restore, shard_layout
 
 logger = logging.getLogger(__name__)
@@ -113,16 +114,16 @@ def gather_copies(
     group: dist.ProcessGroup,
     wire_device: torch.device,
     timeout_s: float,
-) -> list[set[tuple[int, int, int, bool]]]:
+) -> list[set[Copy]]:
     """Every member's census of the copies it holds; collective over ``group``.
 
     Returns:
-        ``held[rank]``: ``(world_size, owner, step, is_own)`` of every complete copy held by
-        that member (own snapshots and replicas, old generations included).
+        ``held[rank]``: every complete copy held by that member (own snapshots and replicas,
+        old generations included).
     """
     mine = msgpack.packb([list(c) for c in _held(stores)])
     return [
-        {tuple(c) for c in msgpack.unpackb(raw)}
+        {Copy(*c) for c in msgpack.unpackb(raw)}
         for raw in gather_bytes(mine, group, wire_device, timeout_s)
     ]
 
@@ -130,7 +131,7 @@ def gather_copies(
 def restore_from_peers(
     state: TrainingState,
     stores: Sequence[Replicator],
-    held: list[set[tuple[int, int, int, bool]]],
+    held: list[set[Copy]],
     group: dist.ProcessGroup,
     rank: int,
     world_size: int,
@@ -191,6 +192,7 @@ def restore_from_peers(
                 continue
             try:
                 slot = find_copy(stores, source.world_size, owner, source.step)
+                assert slot.header is not None and slot.buffer is not None  # it verified
                 if slot.header.layout_hash != old_layouts[owner].layout_hash:
                     raise ReplicaCorruptError(
                         f"copy of rank {owner} at step {source.step} has layout "
@@ -216,7 +218,7 @@ def restore_from_peers(
             held[r] = {c for c in held[r] if c[:3] != (world, owner, step)}
     t1 = time.perf_counter()
     if on_phase is not None:
-        on_phase("transfer")
+        on_phase(phases.TRANSFER)
 
     whole_own = [
         t
@@ -244,7 +246,7 @@ def restore_from_peers(
     )
     t2 = time.perf_counter()
     if on_phase is not None:
-        on_phase("restore")
+        on_phase(phases.RESTORE)
     step, extras = state.restore(target)
     assert step == source.step, (step, source.step)
     return RestoreOutcome(
@@ -260,12 +262,13 @@ def restore_from_peers(
     )
 
 
-def _held(stores: Sequence[Replicator]) -> list[tuple[int, int, int, bool]]:
+def _held(stores: Sequence[Replicator]) -> list[Copy]:
     out: dict[tuple[int, int, int], bool] = {}
     for store in stores:
-        for world, owner, step, own in store.copies():
-            out[(world, owner, step)] = out.get((world, owner, step), False) or own
-    return [(*k, own) for k, own in sorted(out.items())]
+        for c in store.copies():
+            key = (c.world_size, c.owner, c.step)
+            out[key] = out.get(key, False) or c.is_own
+    return [Copy(*k, own) for k, own in sorted(out.items())]
 
 
 def find_copy(stores: Sequence[Replicator], world: int, owner: int, step: int) -> Slot:
@@ -281,18 +284,18 @@ def find_copy(stores: Sequence[Replicator], world: int, owner: int, step: int) -
     raise KeyError(f"no copy of rank {owner} of a {world}-rank world at step {step} here")
 
 
-def describe_gap(held: Sequence[set[tuple[int, int, int, bool]]]) -> str:
+def describe_gap(held: Sequence[set[Copy]]) -> str:
     """Which shards have no surviving copy, for the error message.
 
     A shard lost for good is one with no copy at any step of the newest world; the others may
     only lack a copy of the newest step (a round in flight when the fault hit), which is not a
     loss and is not named as one.
     """
-    worlds = sorted({c[0] for h in held for c in h})
+    worlds = sorted({c.world_size for h in held for c in h})
     if not worlds:
         return "no member holds any copy of the training state"
     world = worlds[-1]
-    copies = {c[1:3] for h in held for c in h if c[0] == world}
+    copies = {(c.owner, c.step) for h in held for c in h if c.world_size == world}
     steps = sorted({step for _, step in copies})
     missing = {s: sorted(set(range(world)) - {o for o, t in copies if t == s}) for s in steps}
     lost = sorted(set.intersection(*(set(m) for m in missing.values())))

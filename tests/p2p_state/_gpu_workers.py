@@ -11,6 +11,7 @@ from bench.models import build_model, lm_loss, shard, synthetic_batch
 from p2p_state.config import ReplicationConfig
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
+from tests.p2p_state._workers import restore_from_replicas
 
 
 def replicate_on_gpu(memory: str, num_steps: int) -> dict:
@@ -31,8 +32,8 @@ def replicate_on_gpu(memory: str, num_steps: int) -> dict:
     with torch.no_grad():
         for t in state.live_tensors():
             t.zero_()
-    served = rep.restore_from_buddies(range(dist.get_world_size()), num_steps)
+    step, _ = restore_from_replicas(rep, state)
     equal = all(torch.equal(a, b) for a, b in zip(state.live_tensors(), expected))
     kind = rep.kind.value
     rep.close()
-    return {"equal": equal, "step": served["step"], "kind": kind, "backend": rep.backend}
+    return {"equal": equal, "step": step, "kind": kind, "backend": rep.backend}

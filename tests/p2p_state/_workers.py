@@ -33,6 +33,38 @@ def live_digest(state: TrainingState, step: int) -> dict[str, str]:
     return out
 
 
+def restore_from_replicas(rep: Replicator, state: TrainingState) -> tuple[int, dict]:
+    """Every rank gets its state back from the replicas its buddies hold, through the recovery
+    engine's restore (collective): the own snapshots are left out of the census, so each rank
+    receives its newest complete step from a buddy.
+
+    Returns:
+        ``(step, extras)`` as replicated.
+    """
+    from p2p_state.memory import MemoryKind
+    from recovery.restore import gather_copies, restore_from_peers
+
+    rep.flush()
+    cuda = torch.device("cuda", torch.cuda.current_device()) if rep.backend == "nccl" else None
+    wire = cuda or torch.device("cpu")
+    held = gather_copies([rep], rep.group, wire, rep.config.timeout_s)
+    replicas = [{c for c in h if not c.is_own} for h in held]
+    outcome = restore_from_peers(
+        state,
+        [rep],
+        replicas,
+        rep.group,
+        dist.get_rank(),
+        dist.get_world_size(),
+        memory=rep.device if rep.kind is MemoryKind.GPU else torch.device("cpu"),
+        chunk_bytes=rep.config.chunk_bytes,
+        timeout_s=rep.config.timeout_s,
+        wire_device=wire,
+    )
+    assert outcome.bytes_received > 0, "not restored from a buddy"
+    return outcome.step, outcome.extras
+
+
 def _names(state: TrainingState) -> list[str]:
     return [e.name for e in state.layout.entries if not e.name.startswith("rng/")]
 
@@ -87,8 +119,7 @@ def replicate_and_restore(num_steps: int, chunk_bytes: int) -> dict:
         sched.step()
 
     # Every rank in turn loses its state; one collective rebuilds them all from their buddies.
-    served = rep.restore_from_buddies(range(dist.get_world_size()), num_steps)
-    restored_step, extras = served["step"], served["extras"]
+    restored_step, extras = restore_from_replicas(rep, state)
     after = live_digest(state, restored_step)
     params_after = [(id(p), p.to_local().data_ptr()) for p in model.parameters()]
     # Training continues from the restored state exactly like an untouched run would.

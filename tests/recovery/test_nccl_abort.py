@@ -24,6 +24,7 @@ from recovery.comms import (
     abort_together,
     create_comms,
 )
+from recovery.faults import Action
 from recovery.job import ProtectedJob
 
 HANG_DEADLINE_S = 30.0
@@ -155,7 +156,7 @@ def test_a_failed_step_s_frames_are_released_before_recovery() -> None:
         _current=7,
         _session=types.SimpleNamespace(interrupted=False),
         _finish_step=lambda step: None,
-        _is_fault=lambda e: True,
+        _decide=lambda e: Action.RECOVER,
         _recover=recover,
     )
     held = None
@@ -180,7 +181,7 @@ def test_the_frames_check_can_fail(strip: bool, monkeypatch) -> None:
     # Without the release, the same check sees the frames alive.
     from recovery import job as job_mod
 
-    monkeypatch.setattr(job_mod, "_without_frames", lambda e: e)
+    monkeypatch.setattr(job_mod, "without_frames", lambda e: e)
     with pytest.raises(AssertionError, match="still alive"):
         test_a_failed_step_s_frames_are_released_before_recovery()
 

@@ -169,13 +169,19 @@ def test_the_no_copy_message_names_only_shards_lost_with_every_replica():
         set(),
         {(4, 3, 4, True), (4, 2, 4, False)},
     ]
-    message = describe_gap(held)
+    message = describe_gap(_copies(held))
     assert "shards of ranks [1] of the 4-rank world were lost" in message
     assert "members [1, 2] hold no copy" in message
     assert "[1, 2, 3]" not in message
     # No shard gone at every step: the gap of each step is named instead.
     split = [{(4, 0, 3, True), (4, 0, 4, True)}, {(4, 1, 3, True)}, {(4, 2, 4, True)}, set()]
     split[3] = {(4, 3, 3, True), (4, 3, 4, True)}
-    message = describe_gap(split)
+    message = describe_gap(_copies(split))
     assert "step 3 lacks ranks [2]; step 4 lacks ranks [1]" in message
     assert "lost together" not in message and "hold no copy" not in message
+
+
+def _copies(held):
+    from p2p_state.snapshot import Copy
+
+    return [{Copy(*c) for c in h} for h in held]

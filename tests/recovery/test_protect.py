@@ -12,11 +12,12 @@ import pytest
 
 from bench.runner import JobOutcome
 from recovery.checkpoint import complete_steps
+from recovery.phases import PEER_RECOVERY_PHASES
 from tests.recovery.conftest import NUM_STEPS, assert_bitwise, run
 
 pytestmark = pytest.mark.slow
 
-PHASES = {"interrupt", "communicators", "plan", "build", "transfer", "restore", "replicate"}
+PHASES = set(PEER_RECOVERY_PHASES)
 
 
 def test_the_comparison_catches_a_single_differing_bit(reference):

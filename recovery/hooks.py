@@ -1,0 +1,69 @@
+"""Hooks of a protected job: who is told what at which point, and hooks named in the environment.
+
+Fault injection (``p2p-bench inject``), probes and progress reporting attach here. A tool that
+runs a script it did not write names its hooks in ``P2P_JOB_HOOKS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from recovery.config import RecoveryRecord
+from recovery.errors import ConfigurationError
+
+#: Hooks to attach to every protected job of the process: comma-separated ``module:function``
+#: names, each called with the job once it is ready to train, before its first step.
+ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
+
+Hook = Callable[..., None]
+"""``hook(point, **info)``; the points are listed at :meth:`recovery.job.ProtectedJob.add_hook`."""
+
+
+class JobHooks:
+    """The hooks of one job, called in the order they were added."""
+
+    def __init__(self) -> None:
+        self._hooks: list[Hook] = []
+
+    def add(self, hook: Hook) -> None:
+        """Call ``hook`` at every point from now on."""
+        self._hooks.append(hook)
+
+    def call(self, point: str, **info: Any) -> None:
+        """Tell every hook that ``point`` is reached."""
+        for hook in self._hooks:
+            hook(point, **info)
+
+    @contextlib.contextmanager
+    def phase(self, rec: RecoveryRecord, name: str) -> Iterator[None]:
+        """Announce recovery phase ``name`` and add the time its body takes to ``rec``."""
+        self.call("recovery_phase", phase=name, generation=rec.generation)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            rec.phases[name] = rec.phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def hooks_from_env(environ: Mapping[str, str] = os.environ) -> list[Callable[[Any], None]]:
+    """The ``attach(job)`` functions ``P2P_JOB_HOOKS`` names.
+
+    Raises:
+        ConfigurationError: a name cannot be loaded (the message names it and the fix).
+    """
+    attach = []
+    for name in filter(None, environ.get(ENV_JOB_HOOKS, "").split(",")):
+        module_name, _, function = name.strip().partition(":")
+        try:
+            attach.append(getattr(importlib.import_module(module_name), function))
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigurationError(
+                f"{ENV_JOB_HOOKS} names {name!r}, which cannot be loaded ({e}): write "
+                "module:function of an importable module"
+            ) from None
+    return attach

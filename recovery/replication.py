@@ -1,0 +1,209 @@
+"""A protected job's copies, step by step: replication, cold checkpoints and agreed resizes.
+
+:class:`JobReplication` owns the current replicator, the cold checkpointer and the stores of
+older generations (:class:`recovery.stores.GenerationStores`). After every step it replicates
+the state (a round every ``ReplicationConfig.interval_steps``), checkpoints it when one is due,
+and learns from the commit of replication whether every rank agreed on a graceful resize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from p2p_state.replicator import Replicator
+from p2p_state.state import TrainingState
+from recovery.checkpoint import ColdCheckpointer
+from recovery.config import RecoveryConfig
+from recovery.devices import placement_of, replication_backend, training_device
+from recovery.errors import ConfigurationError
+from recovery.hooks import JobHooks
+from recovery.session import Session
+from recovery.stores import ABANDON_WAIT_S, GenerationStores
+
+
+class JobReplication:
+    """The copies of one rank's training state; see the module docstring.
+
+    Args:
+        session: This process's membership (groups, generation, control-plane reports).
+        config: The job's settings.
+        hooks: Told of every replication chunk.
+    """
+
+    def __init__(self, session: Session, config: RecoveryConfig, hooks: JobHooks) -> None:
+        self._session = session
+        self._config = config
+        self._hooks = hooks
+        self.stores = GenerationStores()
+        self.replicator: Replicator | None = None
+        self.checkpointer: ColdCheckpointer | None = None
+        self._last_replicated = -1
+
+    def replication_group(self) -> dist.ProcessGroup:
+        """This generation's group for replication and restores."""
+        device = training_device(self._session.device_type)
+        backend = replication_backend(self._config.replication, device)
+        assert self._session.comms is not None  # a member of a generation has its groups
+        return self._session.comms.group("replication", backend)
+
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """This generation's group for cold checkpoints."""
+        assert self._session.comms is not None
+        return self._session.comms.group("checkpoint", "gloo")
+
+    def start(
+        self, state: TrainingState, step: int, extras: dict[str, Any], *, recovering: bool
+    ) -> None:
+        """Replicate ``state`` in this generation, starting with ``step`` at once, so a fault
+        before the next step still finds a copy of every shard.
+
+        Raises:
+            ConfigurationError: the world is too small for the replication factor.
+        """
+        info = self._session.info
+        k = self._config.replication.k
+        if k >= dist.get_world_size():
+            raise ConfigurationError(
+                f"every shard is copied to k={k} other ranks, so the job needs at least "
+                f"{k + 1} ranks; it has {dist.get_world_size()}: run more ranks or lower k "
+                "(p2p-run --replicas, ReplicationConfig.k)"
+            )
+        # After a recovery the previous generations' stores keep the copies of the restored
+        # step (the fallback until the new ones are made); the rest of their memory is reused.
+        # At the job's start the slots are prefaulted instead.
+        rep = Replicator(
+            state,
+            self._config.replication,
+            generation=info.generation if info else 0,
+            on_replicated=self._on_replicated,
+            progress_hook=self._on_chunk,
+            group=self.replication_group(),
+            placement=placement_of(info, k),
+            recycle=self.stores.recycle_for(step) if recovering else None,
+        )
+        self.replicator = rep
+        self.stores.add(rep, restored_step=step)
+        self._last_replicated = step
+        ckpt = self._config.checkpoint
+        self.checkpointer = (
+            ColdCheckpointer(ckpt, state, group=self.checkpoint_group()) if ckpt else None
+        )
+        rep.replicate(step, extras)
+
+    def after_step(self, step: int, extras: Callable[[], dict[str, Any]]) -> int | None:
+        """Replicate and checkpoint ``step`` (when due).
+
+        Returns:
+            The step whose round's agreement is now known on every rank (``None`` if no round
+            began); see :meth:`agreed_generation`.
+        """
+        rep = self.replicator
+        assert rep is not None
+        # A graceful resize (growing into spares, giving ranks back) is agreed on through the
+        # commit of replication, so every rank switches after the same step and none is lost.
+        rep.signal = self._session.pending_graceful()
+        previous = self._last_replicated
+        if self.stores.has_old:
+            self._release_old_stores(step)
+        took = rep.replicate(step, extras())
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save(step, extras())
+        if not took:
+            return None
+        self._last_replicated = step
+        return previous
+
+    def agreed_generation(self, previous: int | None) -> int | None:
+        """The newer generation every rank agreed to switch to with ``previous``'s round, if
+        any; its step is then committed everywhere."""
+        rep = self.replicator
+        assert rep is not None
+        # replicate() waited for the previous round: its agreement is known on every rank.
+        target = rep.agreed_signal(previous) if previous is not None and previous >= 0 else None
+        info = self._session.info
+        if not target or target <= (info.generation if info else 0):
+            return None
+        rep.flush()  # this step is committed everywhere: nothing is lost
+        return target
+
+    def catch_up(self, step: int, extras: dict[str, Any]) -> bool:
+        """After a recovery, save the restored step if the cold fallback fell behind.
+
+        Returns:
+            Whether there is a checkpointer.
+        """
+        if self.checkpointer is None:
+            return False
+        self.checkpointer.catch_up(step, extras)
+        return True
+
+    def break_off(self) -> None:
+        """After a fault: stop replicating (waiting only briefly for the worker) and drop any
+        checkpoint in progress. The copies stay readable for the restore."""
+        self.stores.abandon(ABANDON_WAIT_S)
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+
+    def stop_for_resize(self) -> None:
+        """Before a graceful switch: stop replicating and finish any checkpoint in progress."""
+        self.stores.abandon()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self.checkpointer = None
+
+    def finish(self) -> bool:
+        """The loop ended cleanly: wait for the last round (a barrier: every rank completed
+        every step) and for the checkpoint in progress.
+
+        Returns:
+            Whether the job was replicating at all.
+        """
+        if self.replicator is None:
+            return False
+        self.replicator.flush()
+        return True
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the cold checkpoint in progress, if any."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def shutdown(self) -> None:
+        """Stop everything; the job is over."""
+        self.stores.clear()
+        self.replicator = None
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+
+    def _release_old_stores(self, step: int) -> None:
+        """Once the new generation's copies cover the restored step everywhere, the previous
+        generations' stores are no longer needed: their memory goes to the new slots."""
+        rep = self.replicator
+        assert rep is not None
+        if rep.due(step):
+            # replicate() is about to wait for the round in flight anyway: wait first, so the
+            # snapshot it takes can already go into an old buffer.
+            rep.flush()
+        released = self.stores.release_old()
+        if released is not None:
+            info = self._session.info
+            self._session.event(
+                "previous_copies_released",
+                generation=info.generation if info else 0,
+                step=step,
+                given_bytes=released[0],
+                reused_bytes=released[1],
+            )
+
+    def _on_replicated(self, step: int) -> None:
+        if self._session.client is not None:
+            info = self._session.info
+            self._session.client.report_replicated(step, info.generation if info else 0)
+
+    def _on_chunk(self, step: int, round_: int, num_rounds: int) -> None:
+        self._hooks.call("replication_chunk", step=step, round=round_, num_rounds=num_rounds)

@@ -1,0 +1,81 @@
+"""The copies a rank keeps across generations: its replicators, newest first, and their memory.
+
+The current generation's replicator makes new copies; the replicators of older generations are
+abandoned but kept, because their copies still serve a restore (a copy of rank ``r``'s state at
+step ``s`` in a world of ``W`` ranks is the same bytes whichever generation made it). When a new
+replicator is made after a recovery, the old ones give their memory back to a pool it takes its
+slots from, all but the copies of the restored step, which follow once the new generation's copy
+of that step has committed everywhere.
+"""
+
+from __future__ import annotations
+
+from p2p_state.memory import BufferPool
+from p2p_state.replicator import Replicator
+
+#: After a fault, how long a rank waits for its replication worker to leave the aborted round
+#: before it goes on without it (the worker only ever writes slots that are not published).
+#: A worker whose transfers gloo fails on the abort leaves within milliseconds; one blocked on
+#: a receive whose payload was partly read when its pair failed never does before its deadline
+#: (gloo signals the failure to pending and posted operations, not to the one being read), so
+#: waiting longer only adds to the recovery. Its pair is closed by then, so nothing writes into
+#: its buffers any more; they are recycled if it has left by the time the new replicator is made.
+ABANDON_WAIT_S = 0.05
+
+
+class GenerationStores:
+    """Every replicator whose copies this rank still holds, and the pool their memory goes to."""
+
+    def __init__(self) -> None:
+        self._stores: list[Replicator] = []
+        self._pool: BufferPool | None = None
+        self._restored_step = -1
+
+    @property
+    def all(self) -> list[Replicator]:
+        """Newest first: the current replicator (if any), then older generations'."""
+        return list(self._stores)
+
+    @property
+    def has_old(self) -> bool:
+        """Whether older generations' stores are still kept."""
+        return len(self._stores) > 1
+
+    def abandon(self, wait_s: float = 10.0) -> None:
+        """Stop every replicator (after a fault, or before a resize), keeping their copies."""
+        for store in self._stores:
+            store.abandon(wait_s)
+
+    def recycle_for(self, step: int) -> BufferPool:
+        """The pool the next replicator takes its slots from: every old buffer but those of
+        ``step``'s copies (the fallback until the new ones exist)."""
+        if self._pool is None:
+            self._pool = BufferPool()
+        for old in self._stores:
+            old.give_back(self._pool, keep_step=step)
+        return self._pool
+
+    def add(self, replicator: Replicator, restored_step: int) -> None:
+        """Make ``replicator`` (of the state restored at ``restored_step``) the current one."""
+        self._stores.insert(0, replicator)
+        self._restored_step = restored_step
+
+    def release_old(self) -> tuple[int, int] | None:
+        """Once the current replicator's copy of the restored step has committed everywhere,
+        give the old stores' memory to the pool and forget them.
+
+        Returns:
+            ``(given_bytes, reused_bytes)``, or ``None`` while the old copies are still needed.
+        """
+        if not self.has_old or self._stores[0].committed_step < self._restored_step:
+            return None
+        pool = self._pool if self._pool is not None else BufferPool()
+        given = sum(old.give_back(pool) for old in self._stores[1:])
+        self._stores = self._stores[:1]
+        self._pool = None
+        return given, pool.reused_bytes
+
+    def clear(self) -> None:
+        """Stop every replicator and forget them (the job is over)."""
+        self.abandon()
+        self._stores = []

@@ -1,0 +1,312 @@
+"""The protected job's control flow against a fake session: no processes, no groups.
+
+The session is autospec'd from :class:`recovery.session.Session`, so a call the job makes that the
+real session does not have fails here too. The work of each step (replication) and of each
+restore (the census, the factory, the transfers) is stubbed: what is checked is what the job does
+about faults, generations and endings. The restore protocol itself is covered by the
+multi-process tests (test_protect.py, test_restore.py, test_user_scripts.py).
+"""
+
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+import pytest
+
+from p2p_state import api
+from recovery.comms import Comms
+from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed, exit_code_of
+from recovery.job import ProtectedJob
+from recovery.restore import NoSurvivingCopy
+from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
+
+GLOO_PEER_CLOSED = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
+
+
+def _info(generation: int, world_size: int = 2) -> GenerationInfo:
+    return GenerationInfo(
+        generation=generation,
+        world_size=world_size,
+        ranks={r: f"rank/0/{r}" for r in range(world_size)},
+        nodes=dict.fromkeys(range(world_size), 0),
+        lost=(),
+        replaced={},
+        committed_step=0,
+        store_prefix=f"gen{generation}/",
+        holders={},
+        directive="train",
+        ack_timeout_s=5.0,
+        graceful=False,
+        replicas=1,
+        reason="test",
+        arrived_t=time.monotonic(),
+    )
+
+
+@pytest.fixture
+def session() -> mock.MagicMock:
+    s = mock.create_autospec(Session, instance=True)
+    s.identity = "rank/0/0"
+    s.standalone = False
+    s.interrupted = False
+    s.info = _info(1)
+    s.client = None
+    s.device_type = "cpu"
+    s.comms = mock.create_autospec(Comms, instance=True)
+    s.comms.aborted = False
+    s.interrupt_time.return_value = None
+    return s
+
+
+class Restores:
+    """Stands in for the restore protocol: each call restores ``step`` (or raises)."""
+
+    def __init__(self, job: ProtectedJob, *outcomes: int | BaseException) -> None:
+        self.job, self.outcomes, self.generations = job, list(outcomes), []
+
+    def __call__(self, info: GenerationInfo, rec) -> None:
+        self.generations.append(info.generation)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.job.step_done = outcome
+        self.job.recoveries.append(rec)
+
+
+def _job(session, *restores: int | BaseException) -> tuple[ProtectedJob, Restores]:
+    job = ProtectedJob(session, lambda: None, max_steps=4)
+    job._fresh_start = mock.Mock(name="fresh_start")
+    job._finish_step = lambda step: setattr(job, "step_done", step)
+    restore = Restores(job, *restores)
+    job._restore_into = restore
+    job._shutdown = mock.Mock(name="shutdown", wraps=job._shutdown)
+    return job, restore
+
+
+def _train(job: ProtectedJob, fail: dict[int, BaseException]) -> list[int]:
+    """Run the loop; ``fail[step]`` is raised inside that step's guard (once)."""
+    steps = []
+    with job:
+        for step, _ in job:
+            steps.append(step)
+            with job.step():
+                if step in fail:
+                    raise fail.pop(step)
+    return steps
+
+
+def test_a_fault_in_a_step_recovers_into_the_next_generation_and_rewinds(session):
+    session.next_generation.return_value = _info(2)
+    job, restore = _job(session, 1)
+    steps = _train(job, {3: RuntimeError(GLOO_PEER_CLOSED)})
+    assert steps == [1, 2, 3, 2, 3, 4]  # restored to step 1: steps 2 and 3 are done again
+    session.comms.abort.assert_called_once()  # the old generation's groups were broken
+    session.next_generation.assert_called_once_with(job.config.fault_wait_s, after=0)
+    session.join.assert_called_once_with(_info_of(session))
+    assert restore.generations == [2]
+    (rec,) = job.recoveries
+    assert rec.generation == 2 and rec.step_reached == 2
+
+
+def _info_of(session) -> GenerationInfo:
+    return session.next_generation.return_value
+
+
+def test_a_user_error_is_not_taken_for_a_fault(session):
+    job, _ = _job(session)
+    with pytest.raises(RuntimeError, match="my bug"):
+        _train(job, {2: RuntimeError("my bug: Socket Timed out")})
+    session.next_generation.assert_not_called()
+    session.comms.abort.assert_not_called()
+    job._shutdown.assert_called()
+
+
+def test_any_error_while_the_generation_is_aborted_is_a_fault(session):
+    session.next_generation.return_value = _info(2)
+    session.comms.aborted = True  # the client thread aborted the groups: whatever broke is that
+    job, _ = _job(session, 1)
+    assert _train(job, {2: ValueError("a tensor of an aborted group")}) == [1, 2, 2, 3, 4]
+
+
+def test_a_generation_between_steps_is_recovered_into_before_the_next(session):
+    session.next_generation.return_value = _info(2)
+    job, restore = _job(session, 2)
+    with job:
+        assert next(job)[0] == 1
+        with job.step():
+            pass
+        session.interrupted = True
+        session.next_generation.side_effect = lambda *a, **k: _interrupt_served(session)
+        assert next(job)[0] == 3
+    assert restore.generations == [2]
+
+
+def _interrupt_served(session) -> GenerationInfo:
+    session.interrupted = False
+    return _info(2)
+
+
+def test_a_fault_during_a_recovery_waits_for_the_generation_after(session):
+    session.next_generation.side_effect = [_info(2), _info(3)]
+    job, restore = _job(session, RuntimeError(GLOO_PEER_CLOSED), 1)
+    assert _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)}) == [1, 2, 2, 3, 4]
+    assert restore.generations == [2, 3]
+    assert session.next_generation.call_args_list[1] == mock.call(job.config.fault_wait_s, after=2)
+    assert session.comms.abort.call_count == 2
+    session.event.assert_any_call("recovery_abandoned", generation=2, reason=mock.ANY)
+
+
+def test_a_copy_lost_during_a_recovery_waits_for_the_generation_after(session):
+    session.next_generation.side_effect = [_info(2), _info(3)]
+    job, restore = _job(session, NoSurvivingCopy("rank 1 has no copy"), 1)
+    _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
+    assert restore.generations == [2, 3]
+
+
+def test_a_process_with_no_place_in_the_new_generation_is_given_back(session):
+    session.next_generation.return_value = _info(2)
+    session.join.side_effect = NotAMember("no rank for rank/0/0")
+    job, _ = _job(session)
+    with pytest.raises(GivenBack) as e:
+        _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
+    assert exit_code_of(e.value) == 0
+    job._shutdown.assert_called()
+
+
+def test_no_generation_in_time_reports_this_rank_failed(session):
+    session.next_generation.side_effect = TimeoutError("no generation within 30 s")
+    job, _ = _job(session)
+    with pytest.raises(RecoveryFailed, match="no generation within 30 s"):
+        _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
+    session.report_failure.assert_called_once_with(mock.ANY, fatal=False)
+
+
+def test_a_job_the_coordinator_ended_leaves_with_its_code(session):
+    session.next_generation.side_effect = JobEnded(3, "stopped by the user")
+    job, _ = _job(session)
+    with pytest.raises(JobEnded) as e:
+        _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
+    assert exit_code_of(e.value) == 3
+
+
+def test_a_configuration_error_at_the_start_ends_the_whole_job(session):
+    job, _ = _job(session)
+    job._fresh_start.side_effect = ConfigurationError("k=3 needs 4 ranks")
+    with pytest.raises(ConfigurationError):
+        job.__enter__()
+    session.report_failure.assert_called_once_with("k=3 needs 4 ranks", fatal=True)
+    job._shutdown.assert_called()
+
+
+def test_a_standalone_job_lets_every_error_stand(session):
+    session.standalone = True
+    job, _ = _job(session)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
+    session.next_generation.assert_not_called()
+
+
+def test_the_entry_point_turns_endings_into_exit_codes_and_nothing_else(session):
+    session.next_generation.return_value = _info(2)
+    session.join.side_effect = NotAMember("given back")
+    job, _ = _job(session)
+    with pytest.raises(SystemExit) as e, api._EntryPoint(job) as entered:
+        assert entered is job
+        for step, _ in job:
+            with job.step():
+                if step == 2:
+                    raise RuntimeError(GLOO_PEER_CLOSED)
+    assert e.value.code == 0
+
+    job, _ = _job(session)
+    job._fresh_start.side_effect = ConfigurationError("bad")
+    with pytest.raises(SystemExit) as e, api._EntryPoint(job):
+        pass
+    assert e.value.code == 2
+
+    job, _ = _job(session)  # the user's own error is not an ending: it stands
+    with pytest.raises(KeyError), api._EntryPoint(job):
+        raise KeyError("mine")
+
+
+def test_a_step_outside_the_loop_is_one_clear_error(session):
+    job, _ = _job(session)
+    with job:
+        with pytest.raises(RuntimeError, match="belongs inside"), job.step():
+            pass
+        next(job)
+        with pytest.raises(RuntimeError, match="was not run inside"):
+            next(job)
+
+
+# -- the pieces the job is made of ------------------------------------------------------------
+
+
+def test_the_restore_source_is_peers_then_checkpoint_then_initial_else_a_clear_failure():
+    from p2p_state.snapshot import Copy
+    from recovery.source import RestoreSource, choose_restore_source
+
+    complete = [{Copy(2, 0, 4, True), Copy(2, 1, 4, False)}, {Copy(2, 1, 4, True)}]
+    lost = [{Copy(2, 0, 4, True)}, set()]  # rank 1's shard has no copy left
+    initial = [{Copy(2, 0, 0, True)}, set()]
+    asked: list[str] = []
+
+    def steps(root: str) -> list[int]:
+        asked.append(root)
+        return [2] if root == "/ckpt" else []
+
+    def choose(held, root):
+        return choose_restore_source(held, 2, checkpoint_root=root, checkpoint_steps=steps)
+
+    assert choose(complete, "/ckpt") is RestoreSource.PEERS
+    assert asked == []  # the checkpoint directory is listed only when the peers fall short
+    assert choose(lost, "/ckpt") is RestoreSource.CHECKPOINT
+    assert choose(initial, None) is RestoreSource.INITIAL
+    with pytest.raises(RecoveryFailed, match=r"ranks \[1\].*RecoveryConfig.checkpoint is not set"):
+        choose(lost, None)
+    with pytest.raises(RecoveryFailed, match="no complete checkpoint under '/empty'"):
+        choose(lost, "/empty")
+
+
+class FakeStore:
+    """A replicator as the stores see it: copies, memory given back, a commit."""
+
+    def __init__(self, committed_step: int = -1) -> None:
+        self.committed_step = committed_step
+        self.given: list[int | None] = []
+        self.abandoned: list[float] = []
+
+    def give_back(self, pool, keep_step=None) -> int:
+        self.given.append(keep_step)
+        return 100
+
+    def abandon(self, timeout_s: float = 10.0) -> bool:
+        self.abandoned.append(timeout_s)
+        return True
+
+
+def test_old_generations_give_back_all_but_the_restored_step_then_the_rest_once_it_committed():
+    from recovery.stores import GenerationStores
+
+    stores = GenerationStores()
+    old, new = FakeStore(), FakeStore(committed_step=3)
+    stores.add(old, restored_step=0)
+    stores.abandon(0.05)
+    assert old.abandoned == [0.05]
+    pool = stores.recycle_for(5)
+    assert old.given == [5]  # the copies of the restored step stay: the fallback
+    stores.add(new, restored_step=5)
+    assert stores.all == [new, old] and stores.has_old
+    assert stores.release_old() is None  # the new copy of step 5 is not committed yet
+    new.committed_step = 5
+    assert stores.release_old() == (100, pool.reused_bytes)
+    assert old.given == [5, None] and stores.all == [new] and not stores.has_old
+
+
+def test_a_user_error_during_a_recovery_shuts_the_job_down(session):
+    session.next_generation.return_value = _info(2)
+    job, _ = _job(session, TypeError("the factory returned a list"))
+    with pytest.raises(TypeError, match="factory"):
+        job._recover(RuntimeError(GLOO_PEER_CLOSED))  # as from __enter__, outside any `with`
+    job._shutdown.assert_called()
