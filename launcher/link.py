@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -43,12 +44,12 @@ class CoordinatorLinks:
     """
 
     def __init__(
-        self, ctx: zmq.Context, identity: str, codec: protocol.Codec, addresses: list[str]
+        self, ctx: zmq.Context[Any], identity: str, codec: protocol.Codec, addresses: list[str]
     ) -> None:
         self.ctx = ctx
         self.identity = identity
         self.codec = codec
-        self.sockets: dict[str, zmq.Socket] = {}
+        self.sockets: dict[str, zmq.Socket[Any]] = {}
         self.active = addresses[0]
         for address in addresses:
             self.add(address)
@@ -58,11 +59,11 @@ class CoordinatorLinks:
         """The term of the coordinator this process obeys."""
         return self.codec.term
 
-    def add(self, address: str) -> zmq.Socket | None:
+    def add(self, address: str) -> zmq.Socket[Any] | None:
         """Connect to one more coordinator (a standby); returns the new socket, if new."""
         if address in self.sockets:
             return None
-        sock = self.ctx.socket(zmq.DEALER)
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.identity.encode())
         sock.setsockopt(zmq.LINGER, 500)
         protocol.harden_socket(sock)
@@ -71,10 +72,10 @@ class CoordinatorLinks:
         return sock
 
     @property
-    def active_socket(self) -> zmq.Socket:
+    def active_socket(self) -> zmq.Socket[Any]:
         return self.sockets[self.active]
 
-    def send(self, type_: str, body: dict | None = None, generation: int = 0) -> None:
+    def send(self, type_: str, body: dict[str, Any] | None = None, generation: int = 0) -> None:
         """Send to the active coordinator (never blocks: a full queue drops, as a lost link)."""
         try:
             self.active_socket.send_multipart(
@@ -83,7 +84,7 @@ class CoordinatorLinks:
         except zmq.Again:
             logger.debug("the queue to %s is full; %s not sent", self.active, type_)
 
-    def send_to(self, address: str, type_: str, body: dict | None = None) -> None:
+    def send_to(self, address: str, type_: str, body: dict[str, Any] | None = None) -> None:
         """Send to one coordinator whatever its term (a vote to a standby)."""
         try:
             self.sockets[address].send_multipart(self.codec.encode(type_, body), zmq.NOBLOCK)
@@ -96,10 +97,10 @@ class CoordinatorLinks:
         self.active = addresses[(addresses.index(self.active) + 1) % len(addresses)]
         return self.active
 
-    def address_of(self, sock: zmq.Socket) -> str | None:
+    def address_of(self, sock: zmq.Socket[Any]) -> str | None:
         return next((a for a, s in self.sockets.items() if s is sock), None)
 
-    def receive(self, sock: zmq.Socket) -> Received:
+    def receive(self, sock: zmq.Socket[Any]) -> Received:
         """Every valid message waiting on ``sock``, with the term rule applied."""
         out = Received()
         address = self.address_of(sock)
