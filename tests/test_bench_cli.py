@@ -145,7 +145,7 @@ def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(
     assert set(theirs["phases"]) >= {"terminate", "restart processes", "load checkpoint"}
 
 
-def test_inject_a_kill_and_a_hang(capsys, tmp_path, references):
+def test_inject_a_kill_the_coordinators_loss_and_a_hang(capsys, tmp_path, references):
     summary = _run(
         capsys,
         "inject",
@@ -156,6 +156,8 @@ def test_inject_a_kill_and_a_hang(capsys, tmp_path, references):
         "--fault",
         "kill:rank=1@step=3:phase=backward",
         "--fault",
+        "kill-coordinator@step=4",
+        "--fault",
         "hang:rank=2@step=5",
         "--out-dir",
         str(tmp_path / "report"),
@@ -165,11 +167,19 @@ def test_inject_a_kill_and_a_hang(capsys, tmp_path, references):
     )
     assert summary["bitwise_equal"] is True
     faults = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
-    assert [f["spec"].split(":")[0] for f in faults] == ["kill", "hang"]
-    for f in faults:
+    kill, coordinator, hang = faults
+    assert [kill["spec"], hang["spec"]] == [
+        "kill:rank=1@step=3:phase=backward",
+        "hang:rank=2@step=5:phase=forward",
+    ]
+    for f in (kill, hang):
         assert all(v >= 0 for v in f["phases"].values()) and f["downtime_s"] > 0
+    # The coordinator's loss stops nothing; its standby then handles the hang.
+    assert coordinator["takeover_s"] > 0 and coordinator["downtime_s"] == 0
+    started = [e for e in _events(tmp_path / "report") if e["event"] == "generation_started"]
+    assert started[-1]["source"] == "coordinator/1" and started[-1]["lost"] == [2]
     # A hang is only seen when the heartbeat timeout (3 s) expires.
-    assert faults[1]["phases"]["detect"] > 2.5 > faults[0]["phases"]["detect"]
+    assert hang["phases"]["detect"] > 2.5 > kill["phases"]["detect"]
 
 
 def _events(report_dir):
