@@ -331,6 +331,10 @@ class Agent:
             self._heard = time.monotonic()
             self.events.write("coordinator_takeover", coordinator=links.active, term=links.term)
             self._send(protocol.HEARTBEAT, {})
+            # Processes that said hello after the last mirror are unknown to the new one.
+            self._send(
+                protocol.CHILDREN, {"identities": [c.identity for c in self.children.values()]}
+            )
             now = time.monotonic()
             for _, body in [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S]:
                 self._send(protocol.EXITED, body)

@@ -263,6 +263,7 @@ class ControlClient:
         hello = {"role": self.config.role, "node": self.config.node, "pid": os.getpid()}
         if self.rank is not None:
             hello["rank"] = self.rank
+        self._hello = hello
         links.send(protocol.HELLO, hello)
         next_hello = time.monotonic() + _HELLO_RETRY_S
         next_beat = time.monotonic() + self.config.heartbeat_interval_s
@@ -305,9 +306,10 @@ class ControlClient:
     def _receive(self, links: CoordinatorLinks, sock: zmq.Socket, poller: zmq.Poller) -> None:
         received = links.receive(sock)
         if received.takeover:
-            # A standby took over: it knows this process from the state it mirrored; what the
-            # old coordinator may have missed goes again (duplicates change nothing there).
-            links.send(protocol.HEARTBEAT)
+            # A standby took over: it knows this process from the state it mirrored (or, if
+            # it said hello after the last mirror, from this hello); what the old coordinator
+            # may have missed goes again (duplicates change nothing there).
+            links.send(protocol.HELLO, self._hello)  # answered at once if it knows us
             if self._last_ack is not None:
                 links.send(protocol.ACK, *self._last_ack)
             if self._last_replicated is not None:

@@ -481,6 +481,8 @@ class Coordinator:
             self._apply(self.membership.hello(proc, None if rank is None else int(rank), now))
         elif msg.type == protocol.HEARTBEAT:
             pass
+        elif msg.type == protocol.CHILDREN:
+            self._children_after_takeover(msg.sender, body["identities"])
         elif msg.type == protocol.DONE:
             step = body.get("checkpoint_step")
             self._apply(
@@ -560,6 +562,20 @@ class Coordinator:
         for other in list(self.membership.procs):
             self._send(other, protocol.STANDBYS, {"addresses": addresses})
         self._mirror(force=True)
+
+    def _children_after_takeover(self, sender: str, identities: list) -> None:
+        """An agent names its processes after a takeover: those this coordinator does not
+        know (they said hello after the last mirror) are told of it too, and say hello again."""
+        agent = self.membership.procs.get(sender)
+        if agent is None or agent.role != "agent":
+            raise ValueError(f"{sender} is not an agent and may not name processes")
+        for identity in identities[:256]:
+            if (
+                isinstance(identity, str)
+                and identity not in self.membership.procs
+                and identity.split("/")[1:2] == [str(agent.node)]
+            ):
+                self._send(identity, protocol.TAKEOVER, {"store_port": self.store_port})
 
     def _check_reporter(self, sender: str, identity: str) -> None:
         """Only an agent reports an exit, and only of a process of its own node."""
@@ -642,8 +658,11 @@ class Coordinator:
             logger.warning("could not send %s to %s: %s", type_, identity, e)
 
     def close(self) -> None:
-        """Close the socket (bounded linger), the store and the event log."""
+        """Close the sockets (bounded linger), the store and the event log."""
         self.sock.close(linger=500)
+        if self._upstream is not None:
+            self._upstream.close(linger=0)
+            self._upstream = None
         self.ctx.term()
         self.events.close()
         if self.store is not None:

@@ -89,6 +89,7 @@ STATE = "state"  # active -> standby coordinator: {"state", "now"}: membership, 
 VOTE = "vote"  # standby -> agent: may I take over with the term in my envelope?
 VOTED = "voted"  # agent -> standby: {"granted"}
 TAKEOVER = "takeover"  # new active -> everyone: {"store_port"}: talk to me from now on
+CHILDREN = "children"  # agent -> a coordinator that took over: {"identities"} of its processes
 
 TYPES = frozenset(
     {
@@ -111,6 +112,7 @@ TYPES = frozenset(
         VOTE,
         VOTED,
         TAKEOVER,
+        CHILDREN,
     }
 )
 
@@ -158,6 +160,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     VOTE: {"silence_s": ((float,), False)},
     VOTED: {"granted": ((bool,), True)},
     TAKEOVER: {"store_port": (_INT, True)},
+    CHILDREN: {"identities": (_LIST, True)},
 }
 _MAX_ABS_INT = 2**62
 

@@ -215,3 +215,28 @@ def test_an_election_that_wins_no_majority_in_time_goes_again_in_a_newer_term(st
     standby._votes_asked_at -= 1.0  # the takeover timeout passed without a majority
     standby._standby_tick()
     assert standby.codec.term == 2 and not standby._votes and standby.standby
+
+
+def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover(coordinator):
+    from launcher.decisions import Process
+
+    coordinator.membership.hello(Process("agent/1", "agent", 1, 11), None, 0.0)
+    ctx = zmq.Context.instance()
+    late = ctx.socket(zmq.DEALER)
+    late.setsockopt(zmq.IDENTITY, b"spare/1/5")
+    late.setsockopt(zmq.LINGER, 0)
+    late.connect(f"tcp://127.0.0.1:{coordinator.port}")
+    try:
+        reader = protocol.Codec(coordinator._secret, "p2p-job", "spare/1/5")
+        names = ["rank/1/1", "spare/1/5", "spare/2/9"]  # spare/2/9: another node's, ignored
+        deadline = time.monotonic() + 30
+        got = []
+        while not got and time.monotonic() < deadline:  # until the connection is up
+            coordinator._dispatch(
+                protocol.Message(protocol.CHILDREN, "agent/1", 0, 1, {"identities": names}, 1, 0),
+                0.0,
+            )
+            got = late.poll(200) and reader.drain(late)
+        assert {m.type for m in got} == {protocol.TAKEOVER}
+    finally:
+        late.close()
