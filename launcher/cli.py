@@ -503,12 +503,12 @@ def _start_coordinator(
 
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The settings engine scripts read (``p2p_state.protect``'s defaults)."""
-    env = {"P2P_REPLICAS": str(args.replicas)}
+    env = {protocol.ENV_REPLICAS: str(args.replicas)}
     if args.checkpoint_dir:
-        env["P2P_CHECKPOINT_DIR"] = args.checkpoint_dir
-        env["P2P_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+        env[protocol.ENV_CHECKPOINT_DIR] = args.checkpoint_dir
+        env[protocol.ENV_CHECKPOINT_EVERY] = str(args.checkpoint_every)
     if args.resume:
-        env["P2P_RESUME"] = "1"
+        env[protocol.ENV_RESUME] = "1"
     return env
 
 
