@@ -10,13 +10,14 @@ Run as ``python -m launcher.coordinator --config FILE`` (its :class:`Coordinator
 written by p2p-run from its flags): it writes ``coordinator.json`` (its address and the store's)
 into the run directory once it is listening.
 
-With ``--standby-of ADDRESS`` it is a *standby*: it mirrors the active coordinator's membership
-(:mod:`launcher.mirror`, pushed by the active one whenever it changes and before any new
-generation goes out), and when the active one falls silent for ``--takeover-timeout`` it asks
-the agents for their votes in the next *term*. An agent votes only when it has lost the active
-coordinator too, and once it votes it obeys no older term; with the votes of more than half
-the job's nodes the standby takes over: it starts its own rendezvous store, tells every process
-(``takeover``), restarts a recovery that was in progress, and acts from then on. Every message
+With ``standby_of`` set (p2p-run's ``--standby-of``) it is a *standby*: it mirrors the active
+coordinator's membership (:mod:`launcher.mirror`, pushed by the active one whenever it changes
+and before any new generation goes out), and when the active one falls silent for
+``takeover_timeout_s`` (``--takeover-timeout``) it asks the agents for their votes in the next
+*term*. An agent votes only when it has lost the active coordinator too, and once it votes it
+obeys no older term; with the votes of more than half the job's nodes the standby takes over:
+it starts its own rendezvous store, tells every process (``takeover``), restarts a recovery
+that was in progress, and acts from then on. Every message
 carries its sender's term; a coordinator that receives a newer term than its own was replaced
 and stops (docs/launcher.md, "No single point of failure").
 """
