@@ -664,8 +664,11 @@ class Coordinator:
             logger.warning("could not send %s to %s: %s", type_, identity, e)
 
     def close(self) -> None:
-        """Close the socket (bounded linger), the store and the event log."""
+        """Close the sockets (bounded linger), the store and the event log."""
         self.sock.close(linger=500)
+        if self._upstream is not None:  # a standby that never took over
+            self._upstream.close(linger=0)
+            self._upstream = None
         self.ctx.term()
         self.events.close()
         if self.store is not None:
