@@ -376,19 +376,12 @@ def _start_coordinator(
         COORDINATOR_FILE if standby_of is None else f"coordinator-{args.node_rank}.json"
     )
     address_file.unlink(missing_ok=True)
-    if standby_of is None:
-        settings = coordinator_config(args, run_dir, secret, host, port)
-    else:
-        settings = coordinator_config(
-            args,
-            run_dir,
-            secret,
-            host,
-            port,
-            standby_of=standby_of,
-            node=str(args.node_rank),
-            advertise=advertise,
-        )
+    standby = (
+        {}
+        if standby_of is None
+        else {"standby_of": standby_of, "node": str(args.node_rank), "advertise": advertise}
+    )
+    settings = coordinator_config(args, run_dir, secret, host, port, **standby)
     path = config_file(run_dir, settings.node)
     write_private(path, dump(settings))
     cmd = [sys.executable, "-m", "launcher.coordinator", "--config", str(path)]
