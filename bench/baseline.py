@@ -28,6 +28,7 @@ from typing import Any
 from bench.faults import COORDINATOR_KINDS, Fault
 from bench.runner import example_args
 from launcher.events import read_json_lines
+from launcher.protocol import ENV_INJECT, ENV_TIMELINE
 
 PLAIN = str(Path(__file__).resolve().parents[1] / "examples" / "train_plain.py")
 
@@ -109,10 +110,10 @@ def run_baseline(
     env = {
         **os.environ,
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "P2P_TIMELINE": str(timeline_path),
+        ENV_TIMELINE: str(timeline_path),
         "OMP_NUM_THREADS": "1",
     }
-    env.pop("P2P_INJECT", None)
+    env.pop(ENV_INJECT, None)
     log_path = run_dir / "torchrun.log"
     t0 = time.monotonic()
     pending = sorted(usable, key=lambda f: f.at)

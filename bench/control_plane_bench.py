@@ -48,8 +48,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from launcher.coordinator import CoordinatorConfig
 
 RANKS_PER_NODE = 8
 
@@ -362,39 +366,42 @@ def _takeover(
     }
 
 
+def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen:
+    """The real coordinator process, given its configuration as p2p-run gives it."""
+    from launcher.config import dump, write_private
+    from launcher.coordinator import config_file
+
+    path = config_file(settings.run_dir, settings.node)
+    write_private(path, dump(settings))
+    return subprocess.Popen([sys.executable, "-m", "launcher.coordinator", "--config", str(path)])
+
+
 def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing
 
     from launcher import protocol
+    from launcher.coordinator import CoordinatorConfig
     from launcher.events import read_events
+    from launcher.membership import MembershipConfig
 
     nodes = n // RANKS_PER_NODE
     with tempfile.TemporaryDirectory(prefix="p2p-cp-bench-") as tmp:
         secret = os.path.join(tmp, "secret")
         protocol.write_secret(secret)
-        command = [
-            sys.executable,
-            "-m",
-            "launcher.coordinator",
-            "--no-store",
-            "--secret-file",
-            secret,
-            "--run-dir",
-            tmp,
-            "--world-size",
-            str(n),
-            "--ranks-per-node",
-            str(RANKS_PER_NODE),
-            "--heartbeat-timeout",
-            str(args.heartbeat_timeout),
-            "--spare-wait",
-            "600",
-            "--ack-timeout",
-            "60",
-            "--max-restarts",
-            str(args.exits + args.hangs + 1),
-        ]
-        coord = subprocess.Popen(command)
+        settings = CoordinatorConfig(
+            secret_file=secret,
+            run_dir=tmp,
+            host_store=False,
+            membership=MembershipConfig(
+                world_size=n,
+                ranks_per_node=RANKS_PER_NODE,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                spare_wait_s=600,
+                ack_timeout_s=60,
+                max_restarts=args.exits + args.hangs + 1,
+            ),
+        )
+        coord = _start_coordinator(settings)
         standby: subprocess.Popen | None = None
         procs, conns = [], []
         try:
@@ -500,18 +507,14 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 hang.append(fault["t"] - last_beat)
             takeover: dict[str, Any] = {}
             if not args.no_takeover:
-                standby = subprocess.Popen(
-                    [
-                        *command,
-                        "--standby-of",
-                        f"127.0.0.1:{port}",
-                        "--node",
-                        "1",
-                        "--advertise",
-                        "127.0.0.1",
-                        "--takeover-timeout",
-                        str(args.takeover_timeout),
-                    ]
+                standby = _start_coordinator(
+                    replace(
+                        settings,
+                        standby_of=f"127.0.0.1:{port}",
+                        node="1",
+                        advertise="127.0.0.1",
+                        takeover_timeout_s=args.takeover_timeout,
+                    )
                 )
                 takeover = _takeover(args, tmp, coord, standby, conns, events, wait)
             result = {

@@ -49,13 +49,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.protocol import ENV_AGENT_PID, ENV_INJECT
 from recovery.phases import ANNOUNCED_PHASES
 
 logger = logging.getLogger(__name__)
 
-ENV_INJECT = "P2P_INJECT"
-#: Set by p2p-run's agent for the processes it starts.
-ENV_AGENT_PID = "P2P_AGENT_PID"
 
 KINDS = (
     "kill",

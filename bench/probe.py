@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.faults import Injector, from_env
+from launcher.protocol import ENV_PROBE_DIR, ENV_RUN_DIR
 
 #: The value of ``P2P_JOB_HOOKS`` that attaches this module.
 HOOK = "bench.probe:attach"
-ENV_PROBE_DIR = "P2P_PROBE_DIR"
 
 
 def attach(job: Any) -> None:
@@ -35,7 +35,7 @@ def attach(job: Any) -> None:
     faults = from_env()
     if faults:
         session = p2p_state.api.current_session()
-        Injector(faults, os.environ.get("P2P_RUN_DIR", "."), session.event).arm(job)
+        Injector(faults, os.environ.get(ENV_RUN_DIR, "."), session.event).arm(job)
     out = os.environ.get(ENV_PROBE_DIR)
     if out:
         job.add_hook(Recorder(Path(out)))

@@ -36,13 +36,11 @@ from typing import Any
 from bench.baseline import run_baseline
 from bench.fault_runs import UsageError
 from bench.runner import EXAMPLE, LocalJob
+from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS, ENV_RUN_DIR
 from recovery.config import CAUSE_JOINED as JOINED
-from recovery.hooks import ENV_JOB_HOOKS
 
 #: The job hook pacing the in-place run's steps (see :func:`pace`).
 PACE_HOOK = "bench.resize_bench:pace"
-#: Minimum seconds per step for :func:`pace`.
-ENV_STEP_S = "P2P_BENCH_STEP_S"
 #: Written into the run directory once both resizes are done: the pacing stops.
 PACE_OFF = "pace-off"
 
@@ -84,7 +82,7 @@ def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "12",
         ],
         launcher_args=["--max-ranks", "4", "--scale-up-delay", "2", "--min-ranks", "2"],
-        env={ENV_JOB_HOOKS: PACE_HOOK, ENV_STEP_S: str(args.step_time)},
+        env={ENV_JOB_HOOKS: PACE_HOOK, ENV_BENCH_STEP_S: str(args.step_time)},
         heartbeat_interval_s=0.5,
     )
     deadline = time.monotonic() + args.timeout
@@ -129,9 +127,9 @@ def _wait_for_resizes(job: LocalJob, count: int, deadline: float, what: str) -> 
 
 def pace(job: Any) -> None:
     """Job hook: steps of at least ``P2P_BENCH_STEP_S`` seconds until the bench lifts it."""
-    step_s = float(os.environ.get(ENV_STEP_S) or 0)
+    step_s = float(os.environ.get(ENV_BENCH_STEP_S) or 0)
     if step_s > 0:
-        job.add_hook(_Pacer(step_s, Path(os.environ.get("P2P_RUN_DIR", ".")) / PACE_OFF))
+        job.add_hook(_Pacer(step_s, Path(os.environ.get(ENV_RUN_DIR, ".")) / PACE_OFF))
 
 
 class _Pacer:

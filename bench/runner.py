@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import probe
-from bench.faults import ENV_INJECT, Fault, to_env
+from bench.faults import Fault, to_env
 from launcher.events import read_events
-from recovery.hooks import ENV_JOB_HOOKS
+from launcher.protocol import ENV_INJECT, ENV_JOB_HOOKS, ENV_PROBE_DIR
 
 #: The example training job (a checkout's ``examples/``; see README).
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
@@ -289,7 +289,7 @@ def run_script(
         env[ENV_INJECT] = to_env(list(faults))
     if results_dir is None:
         results_dir = run_dir / "probe"
-        env[probe.ENV_PROBE_DIR] = str(results_dir)
+        env[ENV_PROBE_DIR] = str(results_dir)
     t0 = time.monotonic()
     job = LocalJob(
         run_dir,

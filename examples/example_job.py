@@ -22,6 +22,7 @@ from bench.models import PRESETS, TinyLM, lm_loss
 from bench.probe import write_results
 from dataload.cache import CacheConfig, open_or_build
 from dataload.loader import ResumableLoader
+from launcher.protocol import ENV_TIMELINE
 
 
 def parse_args(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
@@ -149,7 +150,7 @@ class Timeline:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        path = os.environ.get("P2P_TIMELINE")
+        path = os.environ.get(ENV_TIMELINE)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if path else None
 
     def mark(self, event: str, t: float | None = None, **fields) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from launcher import protocol
+from launcher.config import setting
 from launcher.events import EventLog
 from launcher.link import CoordinatorLinks
 
@@ -56,9 +57,16 @@ class AgentConfig:
     job_id: str
     secret_file: str
     run_dir: str
-    heartbeat_interval_s: float = 0.5
+    heartbeat_interval_s: float = setting(
+        0.5, flag="--heartbeat-interval", help="seconds (default {default})"
+    )
     welcome_timeout_s: float = 60.0
-    coordinator_timeout_s: float = 30.0
+    coordinator_timeout_s: float = setting(
+        30.0,
+        flag="--coordinator-timeout",
+        help="silence from the coordinator after which a node stops its processes and exits "
+        "with an error, seconds (default {default})",
+    )
     """Silence from the coordinator after which the node gives up: children are stopped and
     p2p-run exits with an error (the coordinator heartbeats every agent twice a second)."""
     extra_env: dict[str, str] = field(default_factory=dict)

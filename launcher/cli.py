@@ -33,15 +33,20 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 from launcher import protocol, slurm
 from launcher import secret as secret_file
 from launcher.agent import AgentConfig, AgentError, _die_with_parent, run_agent
-from launcher.coordinator import COORDINATOR_FILE
+from launcher.config import add_flags, dump, from_args, setting, write_private
+from launcher.coordinator import COORDINATOR_FILE, CoordinatorConfig, config_file
+from launcher.coordinator import run as run_coordinator
 from launcher.events import read_events
-from launcher.membership import JOIN_FAILED
+from launcher.membership import JOIN_FAILED, MembershipConfig
+from launcher.policy import ElasticConfig
 
 #: How long node 0 waits for its coordinator to listen.
 _COORDINATOR_START_S = 60.0
@@ -78,189 +83,94 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags (torchrun's names where they mean the same thing)."""
-    p = _Parser(prog="p2p-run", description=__doc__.splitlines()[0], allow_abbrev=False)
-    # Flags that Slurm can also give default to None: "not given" must be told apart.
-    p.add_argument(
-        "--nnodes",
-        default=None,
-        help="number of nodes, or MIN:MAX (start with MIN, nodes up to MAX may join) "
-        "(default: SLURM_JOB_NUM_NODES, else 1)",
-    )
-    p.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        type=int,
-        default=None,
-        help="rank processes per node (default: SLURM_GPUS_ON_NODE less --spares, else 1)",
-    )
-    p.add_argument(
-        "--node-rank",
-        "--node_rank",
-        type=int,
-        default=None,
-        help="this node's rank (default: its place in SLURM_JOB_NODELIST, else 0)",
-    )
-    p.add_argument(
-        "--coordinator",
-        default=None,
-        help="host:port of the coordinator; node 0 starts one there (port 0: any) "
-        "(default: the first host of SLURM_JOB_NODELIST, port from the job id)",
-    )
-    p.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        default=None,
-        help="torchrun's name for --coordinator",
-    )
-    p.add_argument(
-        "--join-timeout",
-        type=float,
-        default=300.0,
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """p2p-run's own settings. Every other flag is a setting of the config that uses it
+    (:func:`build_parser` lists where), declared there once with :func:`launcher.config.setting`.
+    """
+
+    join_timeout_s: float = setting(
+        300.0,
+        flag="--join-timeout",
         help="start-up deadline: nodes that have not joined by then end the job, and a node "
-        "that cannot reach the coordinator or the secret gives up, seconds (default 300)",
+        "that cannot reach the coordinator or the secret gives up, seconds (default {default})",
     )
-    p.add_argument(
-        "--print-config",
-        action="store_true",
+    """Also the coordinator's ``MembershipConfig.join_timeout_s`` and the agent's
+    ``welcome_timeout_s``."""
+    print_config: bool = setting(
+        False,
+        flag="--print-config",
         help="print the resolved settings and where each came from (flag, SLURM_*, default), "
         "then exit",
     )
-    p.add_argument(
-        "--spares", type=int, default=None, help="hot spare processes on this node (default 0)"
-    )
-    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=3.0,
-        help="silence after which a process is lost, seconds (default 3)",
-    )
-    p.add_argument(
-        "--ack-timeout",
-        type=float,
-        default=10.0,
-        help="deadline to acknowledge a new generation, seconds (default 10)",
-    )
-    p.add_argument(
-        "--spare-wait",
-        type=float,
-        default=60.0,
-        help="how long a lost rank may wait for a spare, seconds (default 60)",
-    )
-    p.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=3,
-        help="recoveries in a row that may fail to get the training past its last committed "
-        "step; one more fault stops the job with a checkpoint (0: stop at the first fault; "
-        "default 3)",
-    )
-    p.add_argument(
-        "--coordinator-timeout",
-        type=float,
-        default=30.0,
-        help="silence from the coordinator after which a node stops its processes and exits "
-        "with an error, seconds (default 30)",
-    )
-    p.add_argument(
-        "--external-coordinator",
-        action="store_true",
+    external_coordinator: bool = setting(
+        False,
+        flag="--external-coordinator",
         help="the coordinator at --coordinator runs elsewhere (p2p-run coordinator on a head "
         "node): node 0 starts none",
     )
-    p.add_argument(
-        "--standby-coordinators",
-        default=None,
+    standby_coordinators: str | None = setting(
+        None,
+        flag="--standby-coordinators",
         help="node ranks that run a standby coordinator, which takes over when the active one "
         "falls silent, comma-separated, or 'none' (default: node 1 when there are 2+ nodes)",
     )
-    p.add_argument(
-        "--takeover-timeout",
-        type=float,
-        default=2.0,
-        help="silence of the active coordinator after which a standby asks the nodes for "
-        "their votes to take over, seconds (default 2)",
-    )
-    p.add_argument(
-        "--run-dir",
-        default=None,
-        help="directory for the event log, secret and coordinator address, shared by every "
-        "node (default runs/<job-id>)",
-    )
-    p.add_argument(
-        "--job-id",
-        "--rdzv-id",
-        "--rdzv_id",
-        default=None,
-        help="job name (default: SLURM_JOB_ID, else p2p-job)",
-    )
-    p.add_argument(
-        "--replicas", type=int, default=1, help="replication factor k of the data plane (default 1)"
-    )
-    elastic = p.add_argument_group(
-        "elastic jobs", "let the job shrink after a fault with no spare, and grow into spares"
-    )
-    elastic.add_argument(
-        "--min-ranks", type=int, default=None, help="fewest ranks (default: the start size)"
-    )
-    elastic.add_argument(
-        "--max-ranks",
-        type=int,
-        default=None,
-        help="most ranks; nodes with --node-rank >= --nnodes may join up to it (default: the "
-        "start size)",
-    )
-    elastic.add_argument(
-        "--allowed-sizes",
-        default=None,
-        help="comma-separated world sizes the job may run at, e.g. 2,4,8 (default: any)",
-    )
-    elastic.add_argument(
-        "--scale-up-delay",
-        type=float,
-        default=30.0,
-        help="spare capacity must last this long before the job grows, seconds (default 30)",
-    )
-    elastic.add_argument(
-        "--graceful-timeout",
-        type=float,
-        default=60.0,
-        help="time a given-back rank has to leave before it is killed, seconds (default 60)",
-    )
-    p.add_argument(
-        "--checkpoint-dir",
-        default=None,
+    checkpoint_dir: str | None = setting(
+        None,
+        flag="--checkpoint-dir",
         help="directory or fsspec URL of the cold DCP checkpoints (engine scripts; "
-        "P2P_CHECKPOINT_DIR)",
+        f"{protocol.ENV_CHECKPOINT_DIR})",
     )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=1000,
-        help="steps between cold checkpoints (default 1000)",
+    checkpoint_every: int = setting(
+        1000, flag="--checkpoint-every", help="steps between cold checkpoints (default {default})"
     )
-    p.add_argument(
-        "--resume",
-        action="store_true",
+    resume: bool = setting(
+        False,
+        flag="--resume",
         help="start from the latest complete checkpoint under --checkpoint-dir",
     )
-    p.add_argument(
-        "--secret-file",
-        default=None,
+    secret_file: str | None = setting(
+        None,
+        flag="--secret-file",
         help="per-job secret (mode 0600); by default node 0 creates <run-dir>/secret once and "
         "the other nodes wait for it (at most --join-timeout)",
     )
-    p.add_argument(
-        "--env-store",
-        action="store_true",
-        help="also host torch's TCPStore at MASTER_ADDR:MASTER_PORT, for scripts that call "
-        "dist.init_process_group() themselves (unauthenticated: see docs/security.md); "
-        "protected scripts never need it",
+    module: bool = setting(False, flag=("-m", "--module"), help="run the script as a module")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (torchrun's names where they mean the same thing), each derived from the
+    setting it fills."""
+    p = _Parser(prog="p2p-run", description=__doc__.splitlines()[0], allow_abbrev=False)
+    # Flags that Slurm can also give default to None: "not given" must be told apart.
+    add_flags(p, slurm.Flags, "nnodes", "nproc_per_node", "node_rank", "coordinator")
+    add_flags(p, slurm.Flags, "rdzv_endpoint")
+    add_flags(p, RunOptions, "join_timeout_s", "print_config")
+    add_flags(p, slurm.Flags, "spares")
+    add_flags(p, AgentConfig, "heartbeat_interval_s")
+    add_flags(
+        p, MembershipConfig, "heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "max_restarts"
     )
-    p.add_argument("-m", "--module", action="store_true", help="run the script as a module")
+    add_flags(p, AgentConfig, "coordinator_timeout_s")
+    add_flags(p, RunOptions, "external_coordinator", "standby_coordinators")
+    add_flags(p, CoordinatorConfig, "takeover_timeout_s")
+    add_flags(p, slurm.Flags, "run_dir", "job_id")
+    add_flags(p, MembershipConfig, "replicas")
+    elastic = p.add_argument_group(
+        "elastic jobs", "let the job shrink after a fault with no spare, and grow into spares"
+    )
+    add_flags(
+        elastic,
+        ElasticConfig,
+        "min_ranks",
+        "max_ranks",
+        "allowed_sizes",
+        "scale_up_delay_s",
+        "graceful_timeout_s",
+    )
+    add_flags(p, RunOptions, "checkpoint_dir", "checkpoint_every", "resume", "secret_file")
+    add_flags(p, CoordinatorConfig, "env_store")
+    add_flags(p, RunOptions, "module")
     p.add_argument("script", nargs="?", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -268,17 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace, environ) -> slurm.Resolved:
     """Fill the job's shape from the flags, then ``SLURM_*``, then the defaults."""
-    flags = slurm.Flags(
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        nproc_per_node=args.nproc_per_node,
-        coordinator=args.coordinator,
-        rdzv_endpoint=args.rdzv_endpoint,
-        job_id=args.job_id,
-        run_dir=args.run_dir,
-        max_ranks=args.max_ranks,
-        spares=args.spares or 0,
-    )
+    flags = from_args(slurm.Flags, args, max_ranks=args.max_ranks, spares=args.spares or 0)
     lookup = slurm.node_address if slurm.SLURM_JOB_ID in environ else (lambda name: name)
     try:
         resolved = slurm.resolve(flags, environ, lookup)
@@ -297,7 +197,7 @@ def _resolve(args: argparse.Namespace, environ) -> slurm.Resolved:
 
 
 def _validate(args: argparse.Namespace, script: bool = True) -> None:
-    if args.join_timeout <= 0:
+    if args.join_timeout_s <= 0:
         raise UsageError("--join-timeout must be > 0 seconds")
     if script and args.script is None and not args.print_config:
         raise UsageError("no training script given (p2p-run [flags] train.py [args])")
@@ -334,19 +234,19 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
     world = args.nnodes * args.nproc_per_node
     if world > 1 and not 1 <= args.replicas < world:
         raise UsageError(f"--replicas {args.replicas} must be between 1 and {world - 1}")
-    if args.heartbeat_interval <= 0 or args.heartbeat_timeout <= args.heartbeat_interval:
+    if args.heartbeat_interval_s <= 0 or args.heartbeat_timeout_s <= args.heartbeat_interval_s:
         raise UsageError("--heartbeat-timeout must be larger than --heartbeat-interval > 0")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (where to resume from)")
     if args.checkpoint_every < 1:
         raise UsageError("--checkpoint-every must be >= 1")
     standby_nodes(args.standby_coordinators, args.nnodes)
-    if not 0 < args.takeover_timeout < args.coordinator_timeout:
+    if not 0 < args.takeover_timeout_s < args.coordinator_timeout_s:
         raise UsageError(
-            f"--takeover-timeout {args.takeover_timeout} must be > 0 and below "
-            f"--coordinator-timeout {args.coordinator_timeout}"
+            f"--takeover-timeout {args.takeover_timeout_s} must be > 0 and below "
+            f"--coordinator-timeout {args.coordinator_timeout_s}"
         )
-    if args.coordinator_timeout <= 1.0:
+    if args.coordinator_timeout_s <= 1.0:
         raise UsageError(
             "--coordinator-timeout must be more than 1 s (the coordinator beats at 5 Hz)"
         )
@@ -371,7 +271,7 @@ def _secret_file(args: argparse.Namespace, run_dir: Path) -> str:
         elif args.node_rank == 0 and not args.external_coordinator:
             secret_file.create_once(path)
         else:
-            secret_file.wait_for(path, args.join_timeout)
+            secret_file.wait_for(path, args.join_timeout_s)
     except ValueError as e:
         raise UsageError(f"{e} (--secret-file)") from None
     return str(path)
@@ -403,52 +303,49 @@ def standby_nodes(spec: str | None, nnodes: int) -> list[int]:
     return nodes
 
 
-def coordinator_argv(
-    args: argparse.Namespace, run_dir: Path, secret: str, host: str, port: int
-) -> list[str]:
-    """The flags of ``python -m launcher.coordinator`` for this job."""
-    cmd = [
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--job-id",
-        args.job_id,
-        "--secret-file",
-        secret,
-        "--run-dir",
-        str(run_dir),
-        "--world-size",
-        str(args.nnodes * args.nproc_per_node),
-        "--ranks-per-node",
-        str(args.nproc_per_node),
-        "--heartbeat-timeout",
-        str(args.heartbeat_timeout),
-        "--ack-timeout",
-        str(args.ack_timeout),
-        "--spare-wait",
-        str(args.spare_wait),
-        "--max-restarts",
-        str(args.max_restarts),
-        "--replicas",
-        str(args.replicas),
-        "--min-ranks",
-        str(args.min_ranks),
-        "--max-ranks",
-        str(args.max_ranks),
-        "--scale-up-delay",
-        str(args.scale_up_delay),
-        "--graceful-timeout",
-        str(args.graceful_timeout),
-        "--join-timeout",
-        str(args.join_timeout),
-    ]
-    if args.allowed_sizes:
-        cmd += ["--allowed-sizes", ",".join(map(str, args.allowed_sizes))]
-    if args.env_store:
-        cmd.append("--env-store")
-    cmd += ["--takeover-timeout", str(args.takeover_timeout)]
-    return cmd
+def _elastic(args: argparse.Namespace, world: int) -> ElasticConfig | None:
+    """The elastic policy the flags describe; ``None`` for a job of a fixed size."""
+    if args.min_ranks == args.max_ranks == world and not args.allowed_sizes:
+        return None
+    return from_args(
+        ElasticConfig,
+        args,
+        allowed_sizes=args.allowed_sizes or None,
+        scale_down_wait_s=args.spare_wait_s,
+    )
+
+
+def coordinator_config(
+    args: argparse.Namespace, run_dir: Path, secret: str, host: str, port: int, **given: Any
+) -> CoordinatorConfig:
+    """The configuration of this job's coordinator, from the (resolved, validated) flags.
+
+    Raises:
+        UsageError: a setting the configuration refuses.
+    """
+    world = args.nnodes * args.nproc_per_node
+    try:
+        membership = from_args(
+            MembershipConfig,
+            args,
+            world_size=world,
+            ranks_per_node=args.nproc_per_node,
+            join_timeout_s=args.join_timeout_s,
+            elastic=_elastic(args, world),
+        )
+        return from_args(
+            CoordinatorConfig,
+            args,
+            host=host,
+            port=port,
+            job_id=args.job_id,
+            secret_file=secret,
+            run_dir=str(run_dir),
+            membership=membership,
+            **given,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _start_coordinator(
@@ -479,10 +376,15 @@ def _start_coordinator(
         COORDINATOR_FILE if standby_of is None else f"coordinator-{args.node_rank}.json"
     )
     address_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "launcher.coordinator"]
-    cmd += coordinator_argv(args, run_dir, secret, host, port)
-    if standby_of is not None:
-        cmd += ["--standby-of", standby_of, "--node", str(args.node_rank), "--advertise", advertise]
+    standby = (
+        {}
+        if standby_of is None
+        else {"standby_of": standby_of, "node": str(args.node_rank), "advertise": advertise}
+    )
+    settings = coordinator_config(args, run_dir, secret, host, port, **standby)
+    path = config_file(run_dir, settings.node)
+    write_private(path, dump(settings))
+    cmd = [sys.executable, "-m", "launcher.coordinator", "--config", str(path)]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + _COORDINATOR_START_S
     while not address_file.exists():
@@ -503,12 +405,12 @@ def _start_coordinator(
 
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The settings engine scripts read (``p2p_state.protect``'s defaults)."""
-    env = {"P2P_REPLICAS": str(args.replicas)}
+    env = {protocol.ENV_REPLICAS: str(args.replicas)}
     if args.checkpoint_dir:
-        env["P2P_CHECKPOINT_DIR"] = args.checkpoint_dir
-        env["P2P_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+        env[protocol.ENV_CHECKPOINT_DIR] = args.checkpoint_dir
+        env[protocol.ENV_CHECKPOINT_EVERY] = str(args.checkpoint_every)
     if args.resume:
-        env["P2P_RESUME"] = "1"
+        env[protocol.ENV_RESUME] = "1"
     return env
 
 
@@ -539,11 +441,9 @@ def dropped_from_job(events: list[dict], node_rank: int) -> str | None:
 def _head_node(argv: list[str]) -> int:
     """``p2p-run coordinator [--standby-of HOST:PORT] --coordinator HOST:PORT [flags]``: the
     job's coordinator (or a standby) in the foreground, on a host that trains nothing."""
-    from launcher.coordinator import main as coordinator_main
-
     parser = build_parser()
     parser.prog = "p2p-run coordinator"
-    parser.add_argument("--standby-of", default=None, help="host:port of the active coordinator")
+    add_flags(parser, CoordinatorConfig, "standby_of")
     try:
         args = parser.parse_args(argv)
         _resolve(args, os.environ)
@@ -554,17 +454,16 @@ def _head_node(argv: list[str]) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         args.node_rank, args.external_coordinator = 0, args.standby_of is not None
         secret = _secret_file(args, run_dir)
+        host, _, port = args.coordinator.rpartition(":")
+        standby = {"node": "head", "advertise": host} if args.standby_of else {}
+        settings = coordinator_config(args, run_dir, secret, host, int(port), **standby)
     except UsageError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.USAGE
     except TimeoutError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.NOT_JOINED
-    host, _, port = args.coordinator.rpartition(":")
-    flags = coordinator_argv(args, run_dir, secret, host, int(port))
-    if args.standby_of:
-        flags += ["--standby-of", args.standby_of, "--node", "head", "--advertise", host]
-    return coordinator_main(flags)
+    return run_coordinator(settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -588,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                     resolved,
                     {
                         "spares": (args.spares, resolved.sources["spares"]),
-                        "join_timeout_s": (args.join_timeout, "--join-timeout"),
+                        "join_timeout_s": (args.join_timeout_s, "--join-timeout"),
                     },
                 )
             )
@@ -607,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
             else (sys.executable, "-u", args.script, *args.script_args)
         )
         code = run_agent(
-            AgentConfig(
+            from_args(
+                AgentConfig,
+                args,
                 node_rank=args.node_rank,
                 nnodes=args.nnodes,
                 nproc_per_node=args.nproc_per_node,
@@ -617,9 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                 job_id=args.job_id,
                 secret_file=secret,
                 run_dir=str(run_dir),
-                heartbeat_interval_s=args.heartbeat_interval,
-                coordinator_timeout_s=args.coordinator_timeout,
-                welcome_timeout_s=args.join_timeout,
+                welcome_timeout_s=args.join_timeout_s,
                 extra_env=_engine_env(args),
             ),
             on_end=_report_end,

@@ -6,16 +6,18 @@ included) never stops it. It hosts the rendezvous ``TCPStore`` for the ranks' pr
 generation) and runs a single-threaded event loop: every wait is a poll with a timeout, and
 every network input goes through :class:`launcher.protocol.Codec` before it can change anything.
 
-Run as ``python -m launcher.coordinator --run-dir DIR ...``: it writes ``coordinator.json``
-(its address and the store's) into the run directory once it is listening.
+Run as ``python -m launcher.coordinator --config FILE`` (its :class:`CoordinatorConfig` as JSON,
+written by p2p-run from its flags): it writes ``coordinator.json`` (its address and the store's)
+into the run directory once it is listening.
 
-With ``--standby-of ADDRESS`` it is a *standby*: it mirrors the active coordinator's membership
-(:mod:`launcher.mirror`, pushed by the active one whenever it changes and before any new
-generation goes out), and when the active one falls silent for ``--takeover-timeout`` it asks
-the agents for their votes in the next *term*. An agent votes only when it has lost the active
-coordinator too, and once it votes it obeys no older term; with the votes of more than half
-the job's nodes the standby takes over: it starts its own rendezvous store, tells every process
-(``takeover``), restarts a recovery that was in progress, and acts from then on. Every message
+With ``standby_of`` set (p2p-run's ``--standby-of``) it is a *standby*: it mirrors the active
+coordinator's membership (:mod:`launcher.mirror`, pushed by the active one whenever it changes
+and before any new generation goes out), and when the active one falls silent for
+``takeover_timeout_s`` (``--takeover-timeout``) it asks the agents for their votes in the next
+*term*. An agent votes only when it has lost the active coordinator too, and once it votes it
+obeys no older term; with the votes of more than half the job's nodes the standby takes over:
+it starts its own rendezvous store, tells every process (``takeover``), restarts a recovery
+that was in progress, and acts from then on. Every message
 carries its sender's term; a coordinator that receives a newer term than its own was replaced
 and stops (docs/launcher.md, "No single point of failure").
 """
@@ -36,11 +38,11 @@ from typing import Any
 
 import zmq
 
-from launcher import mirror, protocol
+from launcher import config, mirror, protocol
+from launcher.config import setting
 from launcher.decisions import End, Event, Generation, Interrupt, Kill, Process, Send, SpawnSpare
 from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
-from launcher.policy import ElasticConfig
 from launcher.store import StoreServer
 
 logger = logging.getLogger(__name__)
@@ -70,18 +72,38 @@ class CoordinatorConfig:
     tick_s: float = 0.05
     """How often deadlines are checked when no message arrives."""
     host_store: bool = True
-    env_store: bool = False
+    env_store: bool = setting(
+        False,
+        flag="--env-store",
+        help="also host torch's TCPStore at MASTER_ADDR:MASTER_PORT, for scripts that call "
+        "dist.init_process_group() themselves (unauthenticated: see docs/security.md); "
+        "protected scripts never need it",
+    )
     """Also host torch's (unauthenticated) ``TCPStore`` at ``MASTER_PORT``, for scripts that
     call ``dist.init_process_group()`` themselves."""
-    standby_of: str | None = None
+    standby_of: str | None = setting(
+        None, flag="--standby-of", help="host:port of the active coordinator"
+    )
     """``host:port`` of the active coordinator: this one is its standby."""
     node: str = "0"
     """Where this coordinator runs: a node rank, or ``head`` (a standby's identity is
     ``coordinator/<node>``)."""
     advertise: str | None = None
     """``host`` others reach this coordinator at (default: ``host``)."""
-    takeover_timeout_s: float = 2.0
+    takeover_timeout_s: float = setting(
+        2.0,
+        flag="--takeover-timeout",
+        help="silence of the active coordinator after which a standby asks the nodes for "
+        "their votes to take over, seconds (default {default})",
+    )
     """Silence of the active coordinator after which a standby asks for the agents' votes."""
+
+    def __post_init__(self) -> None:
+        node = self.node
+        if not (node.isascii() and node.isalnum() and len(node) <= 16):
+            raise ValueError(
+                f"CoordinatorConfig.node {node!r}: a node rank or a short name such as head"
+            )
 
 
 class Coordinator:
@@ -660,7 +682,7 @@ class Coordinator:
     def close(self) -> None:
         """Close the sockets (bounded linger), the store and the event log."""
         self.sock.close(linger=500)
-        if self._upstream is not None:
+        if self._upstream is not None:  # a standby that never took over
             self._upstream.close(linger=0)
             self._upstream = None
         self.ctx.term()
@@ -671,84 +693,16 @@ class Coordinator:
         self.env_store = None
 
 
-def _elastic(args: argparse.Namespace) -> ElasticConfig | None:
-    """The elastic policy the flags describe; ``None`` for a job of a fixed size."""
-    world = args.world_size
-    low, high = args.min_ranks or world, args.max_ranks or world
-    if low == high == world and not args.allowed_sizes:
-        return None
-    return ElasticConfig(
-        min_ranks=low,
-        max_ranks=high,
-        allowed_sizes=tuple(int(x) for x in args.allowed_sizes.split(","))
-        if args.allowed_sizes
-        else None,
-        scale_up_delay_s=args.scale_up_delay,
-        scale_down_wait_s=args.spare_wait,
-        graceful_timeout_s=args.graceful_timeout,
-    )
+def config_file(run_dir: str | Path, node: str) -> Path:
+    """Where p2p-run writes the configuration of the coordinator it starts on ``node``."""
+    return Path(run_dir) / f"coordinator-{node}.config.json"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m launcher.coordinator``: the coordinator process of a job."""
-    p = argparse.ArgumentParser(prog="p2p-coordinator")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--job-id", default="p2p-job")
-    p.add_argument("--secret-file", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--ranks-per-node", type=int, required=True)
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0)
-    p.add_argument("--ack-timeout", type=float, default=10.0)
-    p.add_argument("--spare-wait", type=float, default=60.0)
-    p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--min-ranks", type=int, default=None)
-    p.add_argument("--max-ranks", type=int, default=None)
-    p.add_argument("--allowed-sizes", default=None)
-    p.add_argument("--scale-up-delay", type=float, default=30.0)
-    p.add_argument("--graceful-timeout", type=float, default=60.0)
-    p.add_argument("--join-timeout", type=float, default=None)
-    p.add_argument("--no-store", action="store_true", help="host no rendezvous store")
-    p.add_argument(
-        "--env-store", action="store_true", help="also host torch's TCPStore for env:// scripts"
-    )
-    p.add_argument("--takeover-timeout", type=float, default=2.0)
-    p.add_argument("--standby-of", default=None, help="host:port of the active coordinator")
-    p.add_argument("--node", default="0", help="where it runs: a node rank, or head")
-    p.add_argument("--advertise", default=None, help="the host others reach this one at")
-    args = p.parse_args(argv)
-    if not (args.node.isascii() and args.node.isalnum() and len(args.node) <= 16):
-        p.error(f"--node {args.node!r}: a node rank or a short name such as head")
+def run(config: CoordinatorConfig) -> int:
+    """Run a coordinator (or a standby) in this process until the job ends; its exit code."""
     logging.basicConfig(level=logging.WARNING, format="coordinator: %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    coordinator = Coordinator(
-        CoordinatorConfig(
-            host=args.host,
-            port=args.port,
-            job_id=args.job_id,
-            secret_file=args.secret_file,
-            run_dir=args.run_dir,
-            host_store=not args.no_store,
-            env_store=args.env_store,
-            standby_of=args.standby_of,
-            node=args.node,
-            advertise=args.advertise,
-            takeover_timeout_s=args.takeover_timeout,
-            membership=MembershipConfig(
-                world_size=args.world_size,
-                ranks_per_node=args.ranks_per_node,
-                heartbeat_timeout_s=args.heartbeat_timeout,
-                ack_timeout_s=args.ack_timeout,
-                spare_wait_s=args.spare_wait,
-                max_restarts=args.max_restarts,
-                replicas=args.replicas,
-                elastic=_elastic(args),
-                join_timeout_s=args.join_timeout,
-            ),
-        )
-    )
+    coordinator = Coordinator(config)
     try:
         if coordinator.standby:
             coordinator.publish_standby()
@@ -759,6 +713,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         coordinator.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m launcher.coordinator --config FILE``: the coordinator process of a job.
+
+    ``FILE`` holds its :class:`CoordinatorConfig` as JSON (:func:`launcher.config.dump`; p2p-run
+    writes it into the run directory, mode 0600, from its own flags).
+    """
+    p = argparse.ArgumentParser(prog="p2p-coordinator", description=main.__doc__)
+    p.add_argument(
+        "--config", required=True, help="the coordinator's configuration (JSON, see above)"
+    )
+    args = p.parse_args(argv)
+    try:
+        coordinator_config = config.load(CoordinatorConfig, Path(args.config).read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--config {args.config}: {e}")
+    return run(coordinator_config)
 
 
 if __name__ == "__main__":

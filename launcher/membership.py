@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.config import setting
 from launcher.decisions import (
     End,
     Event,
@@ -66,14 +67,28 @@ class MembershipConfig:
     world_size: int
     """Ranks the job starts with."""
     ranks_per_node: int
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = setting(
+        3.0,
+        flag="--heartbeat-timeout",
+        help="silence after which a process is lost, seconds (default {default})",
+    )
     """Silence after which a process (or a whole node, for an agent) is declared lost."""
-    ack_timeout_s: float = 10.0
+    ack_timeout_s: float = setting(
+        10.0,
+        flag="--ack-timeout",
+        help="deadline to acknowledge a new generation, seconds (default {default})",
+    )
     """Time members have to acknowledge a new generation before stragglers are faults."""
-    spare_wait_s: float = 60.0
+    spare_wait_s: float = setting(
+        60.0,
+        flag="--spare-wait",
+        help="how long a lost rank may wait for a spare, seconds (default {default})",
+    )
     """With no spare left, how long a lost rank may wait for one (or come back) before the job
     shrinks (elastic) or stops with a checkpoint."""
-    replicas: int = 1
+    replicas: int = setting(
+        1, flag="--replicas", help="replication factor k of the data plane (default {default})"
+    )
     """Replication factor k of the data plane (for the replica map in every generation)."""
     stop_timeout_s: float = 300.0
     """When the job must stop (no spare in time), how long the survivors have to write their
@@ -83,7 +98,13 @@ class MembershipConfig:
     refill_delay_s: float = 5.0
     """A spare used up is replaced once the job replicates again after the change, or after
     this long at the latest (a new spare's start-up competes with the recovery for CPU)."""
-    max_restarts: int = 3
+    max_restarts: int = setting(
+        3,
+        flag=("--max-restarts", "--max_restarts"),
+        help="recoveries in a row that may fail to get the training past its last committed "
+        "step; one more fault stops the job with a checkpoint (0: stop at the first fault; "
+        "default {default})",
+    )
     """Recoveries from faults in a row without the training advancing (no new committed step
     since the previous one): one more fault then stops the job with a checkpoint instead. A
     fault that repeats on every recovery (a rank that cannot restore) ends instead of using up

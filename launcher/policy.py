@@ -40,20 +40,38 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from launcher.config import setting
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ElasticConfig:
     """Bounds, allowed world sizes and timings of an elastic job."""
 
-    min_ranks: int
+    min_ranks: int = setting(
+        flag="--min-ranks", help="fewest ranks (default: the start size)", flag_default=None
+    )
     """Fewest ranks the job may run with; below it (and no spare) the job fails."""
-    max_ranks: int
+    max_ranks: int = setting(
+        flag="--max-ranks",
+        help="most ranks; nodes with --node-rank >= --nnodes may join up to it (default: the "
+        "start size)",
+        flag_default=None,
+    )
     """Most ranks the job may grow to."""
     size_step: int = 1
     """Allowed sizes are ``min_ranks, min_ranks + size_step, ...`` up to ``max_ranks``."""
-    allowed_sizes: tuple[int, ...] | None = None
+    allowed_sizes: tuple[int, ...] | None = setting(
+        None,
+        flag="--allowed-sizes",
+        help="comma-separated world sizes the job may run at, e.g. 2,4,8 (default: any)",
+        type=str,
+    )
     """Explicit allowed sizes (e.g. divisors of the global batch); overrides ``size_step``."""
-    scale_up_delay_s: float = 30.0
+    scale_up_delay_s: float = setting(
+        30.0,
+        flag="--scale-up-delay",
+        help="spare capacity must last this long before the job grows, seconds (default {default})",
+    )
     """Spare capacity must be seen continuously this long before the job grows."""
     scale_down_wait_s: float = 10.0
     """A vacancy with no spare waits this long (for the rank or a spare) before a shrink."""
@@ -65,7 +83,11 @@ class ElasticConfig:
     """Cap on the wait between two scaling events."""
     backoff_reset_s: float = 600.0
     """A gap this long between scaling events starts the backoff over at ``backoff_base_s``."""
-    graceful_timeout_s: float = 60.0
+    graceful_timeout_s: float = setting(
+        60.0,
+        flag="--graceful-timeout",
+        help="time a given-back rank has to leave before it is killed, seconds (default {default})",
+    )
     """Time a rank given back on request has to finish its step and leave before it is killed."""
 
     def __post_init__(self) -> None:

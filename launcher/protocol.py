@@ -66,6 +66,29 @@ ENV_RUN_DIR = "P2P_RUN_DIR"
 ENV_AGENT_PID = "P2P_AGENT_PID"
 """Pid of the node's agent (the parent of every rank and spare it starts)."""
 
+# The engine settings p2p-run passes to ranks (``p2p_state.protect``'s defaults).
+ENV_REPLICAS = "P2P_REPLICAS"
+"""Replication factor k of the data plane (``--replicas``)."""
+ENV_CHECKPOINT_DIR = "P2P_CHECKPOINT_DIR"
+"""Directory or fsspec URL of the cold DCP checkpoints (``--checkpoint-dir``)."""
+ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"
+"""Steps between cold checkpoints (``--checkpoint-every``)."""
+ENV_RESUME = "P2P_RESUME"
+"""``1``: start from the latest complete checkpoint (``--resume``)."""
+ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
+"""Hooks attached to every protected job of the process: comma-separated ``module:function``
+names (:mod:`recovery.hooks`)."""
+
+# Set by p2p-bench for the jobs it runs (and read by the bench's job hooks and examples).
+ENV_INJECT = "P2P_INJECT"
+"""The faults a rank arms, as JSON (:mod:`bench.faults`)."""
+ENV_PROBE_DIR = "P2P_PROBE_DIR"
+"""Where a rank records its run for the bitwise check (:mod:`bench.probe`)."""
+ENV_BENCH_STEP_S = "P2P_BENCH_STEP_S"
+"""Minimum seconds per step of the resize bench's paced run (:mod:`bench.resize_bench`)."""
+ENV_TIMELINE = "P2P_TIMELINE"
+"""File a plain (unprotected) example script appends its milestones to (the baseline)."""
+
 # Message types.
 HELLO = "hello"  # any process -> coordinator: identity, role, node, pid
 HEARTBEAT = "heartbeat"

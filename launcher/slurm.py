@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.config import setting
+
 # The variables Slurm sets that p2p-run reads.
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_JOB_NUM_NODES = "SLURM_JOB_NUM_NODES"
@@ -166,16 +168,53 @@ def compress_hostlist(hosts: Sequence[str]) -> str:
 class Flags:
     """The settings given on the command line (``None``: not given)."""
 
-    nnodes: str | None = None
+    nnodes: str | None = setting(
+        None,
+        flag="--nnodes",
+        help="number of nodes, or MIN:MAX (start with MIN, nodes up to MAX may join) "
+        "(default: SLURM_JOB_NUM_NODES, else 1)",
+    )
     """``N`` or torchrun's ``MIN:MAX``."""
-    node_rank: int | None = None
-    nproc_per_node: int | None = None
-    coordinator: str | None = None
-    rdzv_endpoint: str | None = None
-    job_id: str | None = None
-    run_dir: str | None = None
+    node_rank: int | None = setting(
+        None,
+        flag=("--node-rank", "--node_rank"),
+        help="this node's rank (default: its place in SLURM_JOB_NODELIST, else 0)",
+    )
+    nproc_per_node: int | None = setting(
+        None,
+        flag=("--nproc-per-node", "--nproc_per_node"),
+        help="rank processes per node (default: SLURM_GPUS_ON_NODE less --spares, else 1)",
+    )
+    coordinator: str | None = setting(
+        None,
+        flag="--coordinator",
+        help="host:port of the coordinator; node 0 starts one there (port 0: any) "
+        "(default: the first host of SLURM_JOB_NODELIST, port from the job id)",
+    )
+    rdzv_endpoint: str | None = setting(
+        None,
+        flag=("--rdzv-endpoint", "--rdzv_endpoint"),
+        help="torchrun's name for --coordinator",
+    )
+    job_id: str | None = setting(
+        None,
+        flag=("--job-id", "--rdzv-id", "--rdzv_id"),
+        help="job name (default: SLURM_JOB_ID, else p2p-job)",
+    )
+    run_dir: str | None = setting(
+        None,
+        flag="--run-dir",
+        help="directory for the event log, secret and coordinator address, shared by every "
+        "node (default runs/<job-id>)",
+    )
     max_ranks: int | None = None
-    spares: int = 0
+    """``--max-ranks`` (declared by :class:`launcher.policy.ElasticConfig`)."""
+    spares: int = setting(
+        0,
+        flag="--spares",
+        help="hot spare processes on this node (default {default})",
+        flag_default=None,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

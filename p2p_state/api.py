@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,12 +44,6 @@ if TYPE_CHECKING:
     from recovery.session import Session
 
 logger = logging.getLogger(__name__)
-
-# Settings p2p-run passes to the ranks (its flags of the same names).
-ENV_REPLICAS = "P2P_REPLICAS"
-ENV_CHECKPOINT_DIR = "P2P_CHECKPOINT_DIR"
-ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"
-ENV_RESUME = "P2P_RESUME"
 
 _session: Session | None = None
 
@@ -251,20 +246,29 @@ def restoring() -> bool:
 
 def config_from_env() -> RecoveryConfig:
     """The :class:`recovery.config.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
+    from launcher.protocol import (
+        ENV_CHECKPOINT_DIR,
+        ENV_CHECKPOINT_EVERY,
+        ENV_REPLICAS,
+        ENV_RESUME,
+    )
     from p2p_state.config import ReplicationConfig
     from recovery.checkpoint import CheckpointConfig
     from recovery.config import RecoveryConfig
 
+    env = os.environ
     checkpoint = None
-    if os.environ.get(ENV_CHECKPOINT_DIR):
-        checkpoint = CheckpointConfig(
-            root=os.environ[ENV_CHECKPOINT_DIR],
-            every_steps=int(os.environ.get(ENV_CHECKPOINT_EVERY, "1000")),
-        )
+    if env.get(ENV_CHECKPOINT_DIR):
+        checkpoint = CheckpointConfig(root=env[ENV_CHECKPOINT_DIR])
+        if ENV_CHECKPOINT_EVERY in env:
+            checkpoint = replace(checkpoint, every_steps=int(env[ENV_CHECKPOINT_EVERY]))
+    replication = ReplicationConfig()
+    if ENV_REPLICAS in env:
+        replication = replace(replication, k=int(env[ENV_REPLICAS]))
     return RecoveryConfig(
-        replication=ReplicationConfig(k=int(os.environ.get(ENV_REPLICAS, "1"))),
+        replication=replication,
         checkpoint=checkpoint,
-        resume=os.environ.get(ENV_RESUME) == "1",
+        resume=env.get(ENV_RESUME) == "1",
     )
 
 

@@ -13,12 +13,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from launcher.protocol import ENV_JOB_HOOKS
 from recovery.config import RecoveryRecord
 from recovery.errors import ConfigurationError
-
-#: Hooks to attach to every protected job of the process: comma-separated ``module:function``
-#: names, each called with the job once it is ready to train, before its first step.
-ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
 
 Hook = Callable[..., None]
 """``hook(point, **info)``; the points are listed at :meth:`recovery.job.ProtectedJob.add_hook`."""

@@ -20,6 +20,8 @@ import json
 import logging
 import os
 
+from launcher.protocol import ENV_SECRET_FILE
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
@@ -135,7 +137,7 @@ def verify_if_secret(fs, directory: str, cached: bool = False) -> None:
         _warned_unsigned = True
         logger.warning(
             "no job secret (%s unset): loading checkpoints without a signed manifest check",
-            "P2P_SECRET_FILE",
+            ENV_SECRET_FILE,
         )
 
 

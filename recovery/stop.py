@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from launcher.protocol import ENV_RUN_DIR
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
@@ -32,7 +33,7 @@ def stop_checkpoint_root(config: RecoveryConfig) -> str:
     if config.checkpoint is not None:
         return config.checkpoint.root
     return config.emergency_checkpoint_root or os.path.join(
-        os.environ.get("P2P_RUN_DIR", "."), "checkpoints"
+        os.environ.get(ENV_RUN_DIR, "."), "checkpoints"
     )
 
 

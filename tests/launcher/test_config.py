@@ -1,0 +1,124 @@
+"""Settings declared once: p2p-run's flags and the coordinator's configuration derive from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher import config
+from launcher.agent import AgentConfig
+from launcher.cli import _resolve, _validate, build_parser, coordinator_config
+from launcher.coordinator import CoordinatorConfig
+from launcher.membership import MembershipConfig
+from launcher.policy import ElasticConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _default(cls: type, name: str) -> object:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _config(argv: list[str]) -> CoordinatorConfig:
+    args = build_parser().parse_args(argv)
+    _resolve(args, {})
+    _validate(args, script=False)
+    return coordinator_config(args, Path("/run"), "/run/secret", "127.0.0.1", 0)
+
+
+def test_unset_flags_give_the_dataclass_defaults():
+    got = _config(["--nnodes", "2", "--nproc-per-node", "2"])
+    assert got.membership == MembershipConfig(world_size=4, ranks_per_node=2, join_timeout_s=300.0)
+    assert got.takeover_timeout_s == _default(CoordinatorConfig, "takeover_timeout_s") == 2.0
+    assert got.env_store is False and got.standby_of is None
+    args = build_parser().parse_args([])
+    assert args.heartbeat_interval_s == _default(AgentConfig, "heartbeat_interval_s") == 0.5
+    assert args.coordinator_timeout_s == _default(AgentConfig, "coordinator_timeout_s") == 30.0
+
+
+def test_flags_reach_the_coordinator():
+    got = _config(
+        [
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--heartbeat-timeout=7.5",
+            "--ack-timeout=4",
+            "--spare-wait=9",
+            "--max_restarts=5",
+            "--replicas=2",
+            "--join-timeout=11",
+            "--takeover-timeout=3",
+            "--env-store",
+            "--min-ranks=3",
+            "--max-ranks=8",
+            "--allowed-sizes=3,4,8",
+            "--scale-up-delay=12",
+            "--graceful-timeout=13",
+        ]
+    )
+    assert got.membership == MembershipConfig(
+        world_size=4,
+        ranks_per_node=2,
+        heartbeat_timeout_s=7.5,
+        ack_timeout_s=4.0,
+        spare_wait_s=9.0,
+        max_restarts=5,
+        replicas=2,
+        join_timeout_s=11.0,
+        elastic=ElasticConfig(
+            min_ranks=3,
+            max_ranks=8,
+            allowed_sizes=(3, 4, 8),
+            scale_up_delay_s=12.0,
+            scale_down_wait_s=9.0,
+            graceful_timeout_s=13.0,
+        ),
+    )
+    assert got.takeover_timeout_s == 3.0 and got.env_store
+
+
+def test_the_document_round_trips_and_refuses_what_it_does_not_know():
+    settings = dataclasses.replace(
+        _config(["--nnodes=2", "--nproc-per-node=2", "--max-ranks=6", "--allowed-sizes=4,6"]),
+        standby_of="10.0.0.1:29500",
+        node="head",
+        advertise="h",
+    )
+    assert config.load(CoordinatorConfig, config.dump(settings)) == settings
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['bogus'\]"):
+        config.load(CoordinatorConfig, config.dump(settings)[:-1] + ', "bogus": 1}')
+    with pytest.raises(ValueError, match="node 'a/b'"):
+        config.load(
+            CoordinatorConfig,
+            config.dump(dataclasses.replace(settings, node="0")).replace(
+                '"node": "0"', '"node": "a/b"'
+            ),
+        )
+
+
+def test_the_coordinator_refuses_a_bad_configuration_in_one_line(tmp_path):
+    path = tmp_path / "c.json"
+    config.write_private(path, '{"membership": {}}')
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.coordinator", "--config", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("p2p-coordinator: error: --config ") and "missing" in last
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_setting_without_a_flag_is_not_a_flag():
+    with pytest.raises(TypeError, match="not declared with setting"):
+        config.add_flags(build_parser(), MembershipConfig, "stop_timeout_s")
