@@ -381,7 +381,10 @@ class Agent:
                 "voted", coordinator=msg.sender, term=msg.term, silent_s=round(silent, 3)
             )
         if address is not None:
-            links.send_to(address, protocol.VOTED, {"granted": granted})
+            body: dict = {"granted": granted}
+            if not granted:
+                body["active"] = links.active  # a standby left behind follows this one
+            links.send_to(address, protocol.VOTED, body)
 
 
 def run_agent(config: AgentConfig, on_end: Callable[[int, str], None] | None = None) -> int:

@@ -25,6 +25,7 @@ and stops (docs/launcher.md, "No single point of failure").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -182,7 +183,11 @@ class Coordinator:
             self._upstream.setsockopt(zmq.IDENTITY, self.identity.encode())
             self._upstream.setsockopt(zmq.LINGER, 0)
             protocol.harden_socket(self._upstream)
+            self._upstream.setsockopt(zmq.IMMEDIATE, 1)  # only a live coordinator gets sends
             self._upstream.connect(f"tcp://{config.standby_of}")
+        self._upstream_address = config.standby_of or ""
+        self._upstream_heard = False
+        self._next_hello = 0.0
 
     @property
     def address(self) -> str:
@@ -230,7 +235,6 @@ class Coordinator:
         poller.register(self.sock, zmq.POLLIN)
         if self._upstream is not None:
             poller.register(self._upstream, zmq.POLLIN)
-            self._send_upstream(protocol.HELLO, self._standby_hello())
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         next_agent_beat = 0.0
         while self.exit_code is None:
@@ -339,6 +343,7 @@ class Coordinator:
             if msg.term < self.codec.term:
                 continue  # the coordinator this standby is replacing: too late
             self._heard_active = time.monotonic()
+            self._upstream_heard = True
             self._votes.clear()
             self._votes_asked_at = 0.0
             if msg.type == protocol.STATE:
@@ -356,6 +361,10 @@ class Coordinator:
 
     def _standby_tick(self) -> None:
         """Ask for votes once the active coordinator has been silent too long; win or wait."""
+        if not self._upstream_heard and time.monotonic() >= self._next_hello:
+            # Sent only over a completed connection (ZMQ_IMMEDIATE): again until answered.
+            self._send_upstream(protocol.HELLO, self._standby_hello())
+            self._next_hello = time.monotonic() + _VOTE_RETRY_S
         silent = time.monotonic() - self._heard_active
         if silent <= self.config.takeover_timeout_s or not self._has_state:
             return
@@ -388,6 +397,23 @@ class Coordinator:
             self._next_vote = time.monotonic() + _VOTE_RETRY_S
         if agents and 2 * len(self._votes & set(agents)) > len(agents):
             self._take_over()
+
+    def _follow(self, address: str, term: int) -> None:
+        """Another standby took over (an agent refusing a vote says where): mirror that one."""
+        host, _, port = address.rpartition(":")
+        if self._upstream is None or not host or not port.isdigit():
+            return
+        with contextlib.suppress(zmq.ZMQError):  # not connected there any more
+            self._upstream.disconnect(f"tcp://{self._upstream_address}")
+        self._upstream.connect(f"tcp://{address}")
+        self.events.write("standby_follows", coordinator=address, term=term)
+        logger.warning("coordinator %s took over (term %d): standing by for it", address, term)
+        self._upstream_address = address
+        self.codec.term = self._mirrored_term = term
+        self._heard_active = time.monotonic()
+        self._votes.clear()
+        self._votes_asked_at = 0.0
+        self._upstream_heard = False  # the hello goes out (again) from the next tick
 
     def _take_over(self) -> None:
         """Become the active coordinator with the mirrored state."""
@@ -464,6 +490,11 @@ class Coordinator:
             if msg.term == self.codec.term and body["granted"]:
                 self._votes.add(msg.sender)
                 self.events.write("vote", identity=msg.sender, term=msg.term)
+            elif not body["granted"] and body.get("active", self._upstream_address) not in (
+                self._upstream_address,
+                self.address,
+            ):
+                self._follow(str(body["active"]), msg.term)
             return
         if msg.type == protocol.VOTED:
             return  # an answer that came after this coordinator had won its election

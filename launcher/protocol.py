@@ -181,7 +181,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     STANDBYS: {"addresses": (_LIST, True)},
     STATE: {"state": ((bytes,), True), "now": ((float,), True)},
     VOTE: {"silence_s": ((float,), False)},
-    VOTED: {"granted": ((bool,), True)},
+    VOTED: {"granted": ((bool,), True), "active": (_STR, False)},
     TAKEOVER: {"store_port": (_INT, True)},
     CHILDREN: {"identities": (_LIST, True)},
 }

@@ -91,6 +91,29 @@ def test_losing_both_coordinators_stops_every_node(start_job):
     wait_for(lambda: not any(alive(p) for p in pids), "every rank and spare to exit", 15)
 
 
+def test_two_standbys_take_over_one_after_the_other(start_job):
+    job = start_job(
+        nnodes=3, nproc=1, spares=(0, 0, 0), launcher_args=["--standby-coordinators", "1,2"]
+    )
+    job.wait_event("generation_complete", generation=1)
+    for node in (1, 2):
+        job.wait_event("standby_joined", identity=f"coordinator/{node}")
+    os.kill(job.coordinator_info()["pid"], signal.SIGKILL)
+    (first,) = wait_for(lambda: [e for e in job.events("takeover") if "term" in e], "a takeover")
+    winner = first["source"]
+    other = "coordinator/2" if winner == "coordinator/1" else "coordinator/1"
+    # The other standby learns of the winner from the agents and mirrors it from then on.
+    job.wait_event("standby_joined", identity=other)
+    pid = json.loads((job.run_dir / f"coordinator-{winner.split('/')[1]}.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    second = wait_for(
+        lambda: [e for e in job.events("takeover") if "term" in e and e["source"] == other],
+        "the second standby's takeover",
+    )
+    assert second[0]["term"] > first["term"]
+    assert job.stop() == [0, 0, 0]
+
+
 def test_a_head_node_runs_the_coordinator_and_every_node_points_at_it(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

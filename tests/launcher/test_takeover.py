@@ -240,3 +240,18 @@ def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover
         assert {m.type for m in got} == {protocol.TAKEOVER}
     finally:
         late.close()
+
+
+def test_a_standby_left_behind_by_another_ones_takeover_follows_the_winner(standby):
+    standby._heard_active -= 1.0
+    standby._standby_tick()
+    assert standby.codec.term == 1
+    # The agents hear the winner of term 1 (another standby) and say where it is.
+    refusal = protocol.Message(
+        protocol.VOTED, "agent/0", 0, 1, {"granted": False, "active": "127.0.0.1:7"}, 1, 1
+    )
+    standby._dispatch(refusal, 0.0)
+    assert standby._upstream_address == "127.0.0.1:7" and standby.standby
+    assert standby.codec.term == 1 and not standby._votes
+    standby._standby_tick()
+    assert standby.codec.term == 1, "it waits for the new active one, it does not elect"
