@@ -111,18 +111,24 @@ def test_a_node_that_voted_follows_the_winner_even_if_its_takeover_was_lost():
         links.close()
 
 
-@pytest.fixture
-def coordinator(tmp_path):
+def _coordinator(tmp_path, **config) -> Coordinator:
+    """A coordinator of a 3-node job (1 rank each), in this process, hosting no store."""
     secret = tmp_path / "secret"
     protocol.write_secret(str(secret))
-    c = Coordinator(
+    return Coordinator(
         CoordinatorConfig(
             secret_file=str(secret),
             run_dir=str(tmp_path),
             host_store=False,
             membership=MembershipConfig(world_size=3, ranks_per_node=1, heartbeat_timeout_s=2.0),
+            **config,
         )
     )
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    c = _coordinator(tmp_path)
     yield c
     c.close()
 
@@ -165,19 +171,8 @@ def test_coordinator_faults_parse_and_print_back(spec, kind, at, phase):
 def standby(tmp_path):
     from launcher.decisions import Process
 
-    secret = tmp_path / "secret"
-    protocol.write_secret(str(secret))
-    c = Coordinator(
-        CoordinatorConfig(
-            secret_file=str(secret),
-            run_dir=str(tmp_path),
-            host_store=False,
-            standby_of="127.0.0.1:9",  # never answers: the active coordinator is gone
-            node="1",
-            takeover_timeout_s=0.5,
-            membership=MembershipConfig(world_size=3, ranks_per_node=1),
-        )
-    )
+    # The active coordinator at 127.0.0.1:9 never answers: it is gone.
+    c = _coordinator(tmp_path, standby_of="127.0.0.1:9", node="1", takeover_timeout_s=0.5)
     active = Membership(c.config.membership)
     for node in range(3):
         active.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, 0.0)
