@@ -104,6 +104,20 @@ def references(tmp_path_factory):
     return ["--reference-cache", str(tmp_path_factory.mktemp("references"))]
 
 
+def _inject(capsys, tmp_path, *argv):
+    """``p2p-bench inject`` with its report in ``tmp_path/report``; the summary it printed."""
+    return _run(
+        capsys,
+        "inject",
+        *argv,
+        "--out-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--json",
+    )
+
+
 def _report(path):
     return json.loads((path / "report.json").read_text())
 
@@ -146,9 +160,9 @@ def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(
 
 
 def test_inject_a_kill_the_coordinators_loss_and_a_hang(capsys, tmp_path, references):
-    summary = _run(
+    summary = _inject(
         capsys,
-        "inject",
+        tmp_path,
         *FAST,
         *references,
         "--steps",
@@ -159,11 +173,6 @@ def test_inject_a_kill_the_coordinators_loss_and_a_hang(capsys, tmp_path, refere
         "kill-coordinator@step=4",
         "--fault",
         "hang:rank=2@step=5",
-        "--out-dir",
-        str(tmp_path / "report"),
-        "--work-dir",
-        str(tmp_path / "work"),
-        "--json",
     )
     assert summary["bitwise_equal"] is True
     faults = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
@@ -191,9 +200,9 @@ def _events(report_dir):
 def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fenced_off(
     capsys, tmp_path, references
 ):
-    summary = _run(
+    summary = _inject(
         capsys,
-        "inject",
+        tmp_path,
         *FAST,
         *references,
         "--steps",
@@ -204,11 +213,6 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
         "hang-coordinator@recovery=1:phase=plan",
         "--fault",
         "kill:rank=2@step=5",
-        "--out-dir",
-        str(tmp_path / "report"),
-        "--work-dir",
-        str(tmp_path / "work"),
-        "--json",
     )
     assert summary["bitwise_equal"] is True
     faults = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
@@ -225,9 +229,9 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
 
 
 def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp_path):
-    summary = _run(
+    summary = _inject(
         capsys,
-        "inject",
+        tmp_path,
         *FAST,
         "--nnodes",
         "3",
@@ -237,11 +241,6 @@ def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp
         "6",
         "--fault",
         "kill-node:node=0@step=3",
-        "--out-dir",
-        str(tmp_path / "report"),
-        "--work-dir",
-        str(tmp_path / "work"),
-        "--json",
     )
     assert summary["bitwise_equal"] is True
     (fault,) = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
