@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -571,10 +571,9 @@ class Replicator:
                 self._failure = ReplicationError("replication was abandoned after a fault")
         return self._stop_worker(timeout_s)
 
-    def give_back(self, pool: BufferPool, keep_step: int | None = None) -> int:
-        """Move the buffers of every copy but those of ``keep_step`` (all, with ``None``) into
-        ``pool``, for the next generation's replicator; the copies of ``keep_step`` stay
-        readable here.
+    def give_back(self, pool: BufferPool, keep: Collection[int] = ()) -> int:
+        """Move the buffers of every copy but those of the steps in ``keep`` into ``pool``, for
+        the next generation's replicator; the copies of the kept steps stay readable here.
 
         Only after :meth:`abandon`, and only once the worker has stopped: a worker left behind
         may still write into its slots, so then nothing is given back.
@@ -591,7 +590,7 @@ class Replicator:
             self._last_copy.synchronize()
         with self._lock:
             buffers = [self.own, *self.replicas.values()]
-            return sum(b.give_back(pool, keep_step) for b in buffers)
+            return sum(b.give_back(pool, keep) for b in buffers)
 
     def _stop_worker(self, timeout_s: float) -> bool:
         if self._fence_handle is not None:

@@ -9,6 +9,7 @@ The same structure holds a rank's own snapshots and each replica it keeps for a 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -177,16 +178,16 @@ class DoubleBuffer:
                 self._pool = None  # what is left in it is not kept alive by this buffer
         return slot
 
-    def give_back(self, pool: BufferPool, keep_step: int | None = None) -> int:
-        """Move the buffers of the slots not holding ``keep_step`` into ``pool``.
+    def give_back(self, pool: BufferPool, keep: Collection[int] = ()) -> int:
+        """Move the buffers of the slots not holding a step of ``keep`` into ``pool``.
 
-        Those slots are empty afterwards (never found, never the latest); a slot holding
-        ``keep_step`` stays as it is. Only for a buffer nothing writes any more (a stopped
-        replicator's). Returns the bytes given back.
+        Those slots are empty afterwards (never found, never the latest); a slot holding a kept
+        step stays as it is. Only for a buffer nothing writes any more (a stopped replicator's).
+        Returns the bytes given back.
         """
         given = 0
         for slot in self.slots:
-            if slot.buffer is None or (slot.header is not None and slot.header.step == keep_step):
+            if slot.buffer is None or (slot.header is not None and slot.header.step in keep):
                 continue
             pool.put(self.kind, slot.buffer)
             given += slot.buffer.numel()

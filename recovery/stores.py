@@ -4,8 +4,16 @@ The current generation's replicator makes new copies; the replicators of older g
 abandoned but kept, because their copies still serve a restore (a copy of rank ``r``'s state at
 step ``s`` in a world of ``W`` ranks is the same bytes whichever generation made it). When a new
 replicator is made after a recovery, the old ones give their memory back to a pool it takes its
-slots from, all but the copies of the restored step, which follow once the new generation's copy
-of that step has committed everywhere.
+slots from, all but the copies a fault before the new generation's first commit would need: those
+of the restored step and those of the last committed step. They follow once the new generation's
+copy of the restored step has committed everywhere.
+
+Why the committed step too: a restore takes the newest step of which every shard has a copy, and
+that may be a round the fault cut short, whose replicas reached only some holders (one, say, of a
+shard's ``k``). Were the older, committed copies given back, a second fault that takes that one
+holder before the new generation commits would leave the shard with no copy at all; the committed
+step still has every holder's. When the restored step is the committed one (the usual case) this
+keeps nothing more.
 """
 
 from __future__ import annotations
@@ -47,13 +55,23 @@ class GenerationStores:
             store.abandon(wait_s)
 
     def recycle_for(self, step: int) -> BufferPool:
-        """The pool the next replicator takes its slots from: every old buffer but those of
-        ``step``'s copies (the fallback until the new ones exist)."""
+        """The pool the next replicator takes its slots from: every old buffer but those of the
+        copies of ``step`` and of the last committed step (the fallback until the new copies
+        exist; see the module docstring)."""
         if self._pool is None:
             self._pool = BufferPool()
+        keep = {step, self.committed_step}
         for old in self._stores:
-            old.give_back(self._pool, keep_step=step)
+            old.give_back(self._pool, keep)
         return self._pool
+
+    @property
+    def committed_step(self) -> int:
+        """The newest step a commit of replication reached here, in any generation (-1: none).
+
+        A commit is an all-reduce of every rank's published step, so a step committed on one
+        rank has every holder's replica on every rank."""
+        return max((store.committed_step for store in self._stores), default=-1)
 
     def add(self, replicator: Replicator, restored_step: int) -> None:
         """Make ``replicator`` (of the state restored at ``restored_step``) the current one."""

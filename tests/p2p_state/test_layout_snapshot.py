@@ -296,7 +296,7 @@ def test_giving_back_keeps_the_copy_of_the_kept_step_readable():
     _publish(db, 4)
     _publish(db, 5)
     pool = BufferPool()
-    assert db.give_back(pool, keep_step=5) == 1024
+    assert db.give_back(pool, keep={5}) == 1024
     assert db.complete_steps() == [5] and bool((db.find(5).buffer == 5).all())
     assert db.latest() is db.find(5) and len(pool) == 1
     assert db.give_back(pool) == 1024

@@ -160,11 +160,34 @@ def test_an_abandoned_replicator_gives_back_all_but_the_kept_copies():
             self.synchronized = True
 
     rep._last_copy = CopyOnASideStream()
-    assert rep.give_back(pool, keep_step=5) == 1024 + 2048
+    assert rep.give_back(pool, keep={5}) == 1024 + 2048
     assert rep._last_copy.synchronized, "a copy still in flight must land before its slot moves"
     assert rep.own.complete_steps() == [5] and rep.replicas[1].complete_steps() == [5]
     assert rep.give_back(pool) == 1024 + 2048 and len(pool) == 4
     assert rep.own.complete_steps() == [] and rep.replicas[1].complete_steps() == []
+
+
+def test_a_recovery_keeps_the_committed_copies_until_the_restored_round_is_copied_again():
+    # The restored step (5) may be a round a fault cut short: its replicas reached only some
+    # holders, one of which may be the next to fail. Until the new generation commits its own
+    # copy, the copies of the committed step (4, every holder's) must stay too.
+    from recovery.stores import GenerationStores
+
+    worker = threading.Thread(target=lambda: None)
+    worker.start()
+    worker.join()
+    rep = _stopped_replicator(worker)
+    rep._failure = ReplicationError("replication was abandoned after a fault")
+    rep._committed = 4
+    stores = GenerationStores()
+    stores.add(rep, restored_step=0)
+    assert stores.committed_step == 4
+    pool = stores.recycle_for(5)
+    assert rep.own.complete_steps() == [4, 5] and rep.replicas[1].complete_steps() == [4, 5]
+    assert len(pool) == 0
+    rep._committed = 5  # the usual case: the restored step is the committed one
+    assert stores.recycle_for(5) is pool and len(pool) == 2
+    assert rep.own.complete_steps() == [5] and rep.replicas[1].complete_steps() == [5]
 
 
 def test_a_replicator_whose_worker_is_left_behind_gives_nothing_back():
@@ -175,7 +198,7 @@ def test_a_replicator_whose_worker_is_left_behind_gives_nothing_back():
         rep = _stopped_replicator(worker)
         rep._failure = ReplicationError("replication was abandoned after a fault")
         pool = BufferPool()
-        assert rep.give_back(pool, keep_step=5) == 0 and len(pool) == 0
+        assert rep.give_back(pool, keep={5}) == 0 and len(pool) == 0
         assert rep.own.complete_steps() == [4, 5] and rep.replicas[1].complete_steps() == [4, 5]
     finally:
         release.set()

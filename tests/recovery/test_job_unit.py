@@ -274,11 +274,11 @@ class FakeStore:
 
     def __init__(self, committed_step: int = -1) -> None:
         self.committed_step = committed_step
-        self.given: list[int | None] = []
+        self.given: list[set[int]] = []
         self.abandoned: list[float] = []
 
-    def give_back(self, pool, keep_step=None) -> int:
-        self.given.append(keep_step)
+    def give_back(self, pool, keep=()) -> int:
+        self.given.append(set(keep))
         return 100
 
     def abandon(self, timeout_s: float = 10.0) -> bool:
@@ -295,13 +295,13 @@ def test_old_generations_give_back_all_but_the_restored_step_then_the_rest_once_
     stores.abandon(0.05)
     assert old.abandoned == [0.05]
     pool = stores.recycle_for(5)
-    assert old.given == [5]  # the copies of the restored step stay: the fallback
+    assert old.given == [{5, -1}]  # the copies of the restored step stay: the fallback
     stores.add(new, restored_step=5)
     assert stores.all == [new, old] and stores.has_old
     assert stores.release_old() is None  # the new copy of step 5 is not committed yet
     new.committed_step = 5
     assert stores.release_old() == (100, pool.reused_bytes)
-    assert old.given == [5, None] and stores.all == [new] and not stores.has_old
+    assert old.given == [{5, -1}, set()] and stores.all == [new] and not stores.has_old
 
 
 def test_a_user_error_during_a_recovery_shuts_the_job_down(session):
