@@ -53,7 +53,7 @@ from recovery.hooks import Hook, JobHooks, hooks_from_env
 from recovery.planner import Source
 from recovery.rebuild import Restore, build_training, restore_state
 from recovery.replication import JobReplication
-from recovery.restore import gather_copies
+from recovery.restore import describe_census, gather_copies
 from recovery.session import GenerationInfo, JobEnded, Session
 from recovery.source import RestoreSource, choose_restore_source
 from recovery.stop import stop_with_checkpoint
@@ -475,6 +475,7 @@ class ProtectedJob:
                 checkpoint_steps=complete_steps,
             )
         except RecoveryFailed as e:
+            logger.error("census of the copies held: %s", describe_census(held))
             self._session.report_failure(str(e), fatal=True)
             raise
 

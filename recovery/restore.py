@@ -284,6 +284,22 @@ def find_copy(stores: Sequence[Replicator], world: int, owner: int, step: int) -
     raise KeyError(f"no copy of rank {owner} of a {world}-rank world at step {step} here")
 
 
+def describe_census(held: Sequence[set[Copy]]) -> str:
+    """Every member's copies in one line, for the log of a restore that found none complete:
+    ``member 0: W=4 own 0@{3,4}, 2@{3}; member 1: nothing``."""
+    parts = []
+    for member, copies in enumerate(held):
+        by: dict[tuple[int, int, bool], set[int]] = {}
+        for c in copies:
+            by.setdefault((c.world_size, c.owner, c.is_own), set()).add(c.step)
+        items = [
+            f"W={w} {'own ' if own else ''}{o}@{{{','.join(map(str, sorted(steps)))}}}"
+            for (w, o, own), steps in sorted(by.items())
+        ]
+        parts.append(f"member {member}: {', '.join(items) if items else 'nothing'}")
+    return "; ".join(parts)
+
+
 def describe_gap(held: Sequence[set[Copy]]) -> str:
     """Which shards have no surviving copy, for the error message.
 

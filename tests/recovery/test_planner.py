@@ -181,6 +181,15 @@ def test_the_no_copy_message_names_only_shards_lost_with_every_replica():
     assert "lost together" not in message and "hold no copy" not in message
 
 
+def test_the_census_line_names_every_members_copies_by_owner_and_step():
+    from recovery.restore import describe_census
+
+    held = [{(4, 0, 4, True), (4, 0, 5, True), (4, 3, 4, False)}, set()]
+    assert (
+        describe_census(_copies(held)) == "member 0: W=4 own 0@{4,5}, W=4 3@{4}; member 1: nothing"
+    )
+
+
 def _copies(held):
     from p2p_state.snapshot import Copy
 
