@@ -64,6 +64,13 @@ class ClientConfig:
     routing_id: str | None = None
     """The routing id to connect under (``None``: a new one)."""
 
+    def __post_init__(self) -> None:
+        if self.routing_id is not None and protocol.identity_of(self.routing_id) != self.identity:
+            raise ValueError(
+                f"{protocol.ENV_ROUTING_ID} {self.routing_id!r} is not a routing id of "
+                f"{protocol.ENV_IDENTITY} {self.identity!r}; unset it (a new one is drawn)"
+            )
+
     @property
     def coordinators(self) -> list[str]:
         """Every coordinator address given, the first one first."""

@@ -255,3 +255,18 @@ def test_p2p_run_makes_a_private_operator_key_once(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600 and len(key) == 64
     _operator_key(tmp_path)  # a second node, or a restart: the same key
     assert path.read_bytes() == key
+
+
+def test_a_routing_id_of_another_identity_is_refused_with_one_line():
+    from launcher.client import ClientConfig
+
+    with pytest.raises(ValueError, match="P2P_ROUTING_ID 'rank/1#ab' is not a routing id of"):
+        ClientConfig(
+            coordinator="127.0.0.1:1",
+            job_id="j",
+            secret_file="s",
+            identity="rank/0",
+            role="rank",
+            node=0,
+            routing_id="rank/1#ab",
+        )
