@@ -110,9 +110,11 @@ def test_connections_beyond_the_cap_are_refused_with_one_line_and_real_peers_get
             )
             assert _eventually(lambda: c.gate.refused >= 2)
             assert "rank/0" not in c.membership.procs
-            lines = [r.getMessage() for r in caplog.records if "refused a connection" in r.message]
-            assert "max_unauthenticated_connections, is 4" in lines[0]
-            assert len(lines) == 1, "one line per 10 s, however many are refused"
+            records = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+            assert "max_unauthenticated_connections, is 4" in records[0].getMessage()
+            # One line per 10 s window, however many are refused (2 or more by now).
+            windows = 1 + int((time.time() - records[0].created) / 10)
+            assert len(records) <= windows
             for s in idle:
                 s.close(linger=0)
             client.store_address(timeout_s=30)  # welcomed once the idle connections closed
