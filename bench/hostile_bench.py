@@ -3,12 +3,14 @@
 A real coordinator runs in a child process (so its peak RSS is its own) while a legitimate agent
 says hello and heartbeats, and the bench throws at it, by kind: random frames, frames signed
 with a wrong secret, signed documents with wrong types (a list or map as ``type``), replays of
-the agent's own captured frames, oversized frames, a squatter on a real identity, then a flood
-of ``--flood-sockets`` sockets each sending ``--flood-frames`` frames plus one oversized frame.
-Reported: messages tried by kind, crashes, state changes from unauthenticated input, the
-coordinator's peak RSS, whether the legitimate agent was ever taken for lost, and whether the
-squatted identity's real owner was answered. ``--json`` prints one object; ``--out-dir`` gets
-report.json and report.md.
+the agent's own captured frames, a previous run's hello and scale (same secret, another run
+nonce), a resize signed with the job secret but not the operator key, oversized frames, a
+squatter on a real identity, then a flood of ``--flood-sockets`` sockets each sending
+``--flood-frames`` frames plus one oversized frame. Reported: messages tried by kind, crashes,
+state changes from unauthenticated input, resizes accepted without the operator key, the
+coordinator's peak RSS, whether the legitimate agent was ever taken for lost, whether the
+squatted identity's real owner was answered and whether the squatter received anything.
+``--json`` prints one object; ``--out-dir`` gets report.json and report.md.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def _coordinator(run_dir: str, secret_file: str, port_q, result_q, stop_evt) -> 
         result_q.put(
             {
                 "procs": sorted(c.membership.procs),
+                "requested_size": c.membership.requested_size,
+                "refused_connections": c.gate.refused,
+                "over_quota": c.over_quota,
                 "dropped": c.dropped,
                 "peak_rss_mb": _vm_hwm_mb(),
                 "exit_code": c.exit_code,
@@ -78,9 +83,9 @@ def _coordinator(run_dir: str, secret_file: str, port_q, result_q, stop_evt) -> 
         c.close()
 
 
-def _dealer(ctx: zmq.Context, identity: str, port: int) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, routing: str, port: int) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, identity.encode())
+    s.setsockopt(zmq.IDENTITY, routing.encode())
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
     s.connect(f"tcp://127.0.0.1:{port}")
@@ -93,6 +98,16 @@ def _signed(secret: bytes, doc: dict) -> list[bytes]:
 
     payload = msgpack.packb(doc)
     return [hmac.new(secret, payload, hashlib.sha256).digest(), payload]
+
+
+def _join(sock: zmq.Socket, codec: protocol.Codec, timeout_s: float = 60.0) -> bool:
+    """Read ``sock`` until the coordinator welcomes ``codec``'s hello (its challenge is answered
+    on the way: the codec learns the run nonce and says hello again)."""
+    deadline = time.monotonic() + timeout_s
+    while (left_s := deadline - time.monotonic()) > 0:
+        if sock.poll(left_s * 1000) and any(m.type == protocol.WELCOME for m in codec.drain(sock)):
+            return True
+    return False
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -109,17 +124,24 @@ def measure(args: argparse.Namespace) -> dict:
     port = port_q.get(timeout=60)
     ctx = zmq.Context()
     tried: dict[str, int] = {}
-    squatter = _dealer(ctx, "agent/1", port)
+    squatter = _dealer(ctx, "agent/1", port)  # the real agent/1's predictable name
     squatter.send_multipart([b"squat", b"x"])
     agent = protocol.Codec(secret, _JOB, "agent/0")
-    legit = _dealer(ctx, "agent/0", port)
-    hello = agent.encode(
-        protocol.HELLO, {"role": "agent", "node": 0, "pid": os.getpid(), "world_size": 2}
-    )
-    legit.send_multipart(hello)
+    legit = _dealer(ctx, protocol.routing_id("agent/0"), port)
+    agent_hello = {"role": "agent", "node": 0, "pid": os.getpid(), "world_size": 2}
+    legit.send_multipart(agent.encode(protocol.HELLO, agent_hello))
+    if not _join(legit, agent):
+        raise RuntimeError("the legitimate agent was never welcomed")
+    hello = agent.encode(protocol.HELLO, agent_hello)  # captured, with this run's nonce
     beats = [agent.encode(protocol.HEARTBEAT, {})]
+    legit.send_multipart(hello)
     legit.send_multipart(beats[0])
     attacker = _dealer(ctx, "rank/0/0", port)
+    other_run = protocol.Codec(secret, _JOB, "rank/0/0")
+    other_run.run = os.urandom(protocol.RUN_NONCE_BYTES)  # a previous run reusing the secret
+    operator = _dealer(ctx, protocol.routing_id("operator/1"), port)
+    no_key = protocol.Codec(secret, _JOB, "operator/1")  # the job secret, not the operator key
+    no_key.run = agent.run
     wrong = os.urandom(32)
     big = b"\0" * (args.oversized_mb << 20)
     kinds = {
@@ -133,18 +155,27 @@ def measure(args: argparse.Namespace) -> dict:
             secret,
             {"v": 2, "job": _JOB, "type": "hello", "sender": "rank/0/0", "gen": "0", "seq": i},
         ),
+        "a previous run's hello and scale": lambda i: other_run.encode(
+            *[
+                (protocol.HELLO, {"role": "rank", "node": 0, "pid": 1, "rank": 0}),
+                (protocol.SCALE, {"size": 1}),
+            ][i % 2]
+        ),
     }
     for kind, make in kinds.items():
         for i in range(args.per_kind):
             attacker.send_multipart(make(i), zmq.NOBLOCK)
         tried[kind] = args.per_kind
     for _ in range(args.per_kind):
+        operator.send_multipart(no_key.encode(protocol.SCALE, {"size": 1}), zmq.NOBLOCK)
+    tried["scale without the operator key"] = args.per_kind
+    for _ in range(args.per_kind):
         legit.send_multipart(hello)  # replays of the agent's own captured frames
         legit.send_multipart(beats[0])
     tried["replays"] = 2 * args.per_kind
     flood = [_dealer(ctx, f"rank/{i}/0", port) for i in range(args.flood_sockets)]
     real_squatted = protocol.Codec(secret, _JOB, "agent/1")
-    real = _dealer(ctx, "agent/1", port)
+    real = _dealer(ctx, protocol.routing_id("agent/1"), port)
     real.send_multipart(
         real_squatted.encode(
             protocol.HELLO, {"role": "agent", "node": 1, "pid": os.getpid(), "world_size": 2}
@@ -157,21 +188,25 @@ def measure(args: argparse.Namespace) -> dict:
             s.send_multipart([os.urandom(32), os.urandom(64)])
     tried["flood frames"] = args.flood_sockets * args.flood_frames
     tried["oversized frames"] = args.flood_sockets
-    # The legitimate agent keeps beating through the flood.
-    reader = protocol.Codec(secret, _JOB, "reader")
+    # The legitimate agent keeps beating through the flood; the real agent/1 answers the
+    # coordinator's challenge (its drain) and is welcomed.
     real_answered = False
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         legit.send_multipart(agent.encode(protocol.HEARTBEAT, {}))
         if real.poll(200):
-            real_answered |= any(m.type == protocol.WELCOME for m in reader.drain(real))
+            real_answered |= any(m.type == protocol.WELCOME for m in real_squatted.drain(real))
         if real_answered and time.monotonic() - t0 > 3:
             break
+    squatter_received = 0
+    while squatter.poll(0):
+        squatter.recv_multipart()
+        squatter_received += 1
     flood_s = time.monotonic() - t0
     stop_evt.set()
     result = result_q.get(timeout=60)
     child.join(timeout=30)
-    for s in [squatter, legit, attacker, real, *flood]:
+    for s in [squatter, legit, attacker, operator, real, *flood]:
         s.close(linger=0)
     ctx.term()
     from launcher.events import read_events
@@ -185,6 +220,7 @@ def measure(args: argparse.Namespace) -> dict:
         "tried_total": sum(tried.values()),
         "crashes": 0 if child.exitcode == 0 and result["exit_code"] is None else 1,
         "state_changes_from_unauthenticated": len(set(result["procs"]) - {"agent/0", "agent/1"}),
+        "resizes_without_operator_key": int(result["requested_size"] is not None),
         "members": result["procs"],
         "dropped": result["dropped"],
         "peak_coordinator_rss_mb": round(result["peak_rss_mb"], 1),
@@ -192,6 +228,9 @@ def measure(args: argparse.Namespace) -> dict:
         "flood_s": round(flood_s, 2),
         "legit_lost_events": len(lost),
         "squatted_identity_answered": real_answered,
+        "squatter_messages_received": squatter_received,
+        "refused_connections": result["refused_connections"],
+        "over_quota": result["over_quota"],
     }
 
 
@@ -208,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
             f"{r['state_changes_from_unauthenticated']}; peak coordinator RSS under a "
             f"{r['flood_sockets']}-socket flood: {r['peak_coordinator_rss_mb']} MB; legitimate "
             f"agent taken for lost: {r['legit_lost_events']}; squatted identity's owner "
-            f"answered: {r['squatted_identity_answered']}",
+            f"answered: {r['squatted_identity_answered']}; messages the squatter received: "
+            f"{r['squatter_messages_received']}; resizes without the operator key: "
+            f"{r['resizes_without_operator_key']}",
         ]
     )
     if args.out_dir:
@@ -217,4 +258,10 @@ def run(args: argparse.Namespace) -> int:
         (out / "report.json").write_text(json.dumps(r, indent=1))
         (out / "report.md").write_text(md + "\n")
     print(json.dumps(r) if args.json else md)
-    return 0 if r["crashes"] == 0 and r["state_changes_from_unauthenticated"] == 0 else 1
+    ok = (
+        r["crashes"] == 0
+        and r["state_changes_from_unauthenticated"] == 0
+        and r["resizes_without_operator_key"] == 0
+        and r["squatter_messages_received"] == 0
+    )
+    return 0 if ok else 1

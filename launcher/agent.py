@@ -75,6 +75,7 @@ class AgentConfig:
 @dataclass(slots=True)
 class _Child:
     identity: str
+    routing: str
     role: str
     rank: int | None
     local_rank: int | None
@@ -82,6 +83,8 @@ class _Child:
     pidfd: int
 
 
+#: How long a hello may go unanswered before it is sent again, on a fresh connection.
+_HELLO_RETRY_S = 2.0
 #: How long an exit report is kept to be sent again to a coordinator that takes over.
 _EXITS_KEPT_S = 60.0
 
@@ -111,7 +114,9 @@ class Agent:
 
     # -- children ------------------------------------------------------------------------------
 
-    def _env(self, identity: str, role: str, rank: int | None, local_rank: int | None) -> dict:
+    def _env(
+        self, identity: str, routing: str, role: str, rank: int | None, local_rank: int | None
+    ) -> dict:
         cfg = self.config
         env = dict(os.environ)
         env.update(cfg.extra_env)
@@ -129,6 +134,7 @@ class Agent:
                 protocol.ENV_SECRET_FILE: cfg.secret_file,
                 protocol.ENV_ROLE: role,
                 protocol.ENV_IDENTITY: identity,
+                protocol.ENV_ROUTING_ID: routing,
                 protocol.ENV_NODE_RANK: str(cfg.node_rank),
                 protocol.ENV_HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval_s),
                 protocol.ENV_RUN_DIR: cfg.run_dir,
@@ -160,13 +166,14 @@ class Agent:
     def _spawn(self, role: str, rank: int | None = None, local_rank: int | None = None) -> None:
         self._spawned += 1
         identity = f"{role}/{self.config.node_rank}/{self._spawned}"
+        routing = protocol.routing_id(identity)
         proc = subprocess.Popen(
             list(self.config.command),
-            env=self._env(identity, role, rank, local_rank),
+            env=self._env(identity, routing, role, rank, local_rank),
             preexec_fn=_die_with_parent,
         )
         pidfd = os.pidfd_open(proc.pid)
-        self.children[pidfd] = _Child(identity, role, rank, local_rank, proc, pidfd)
+        self.children[pidfd] = _Child(identity, routing, role, rank, local_rank, proc, pidfd)
         self.events.write("process_started", identity=identity, role=role, rank=rank, pid=proc.pid)
 
     def _spawn_spare(self) -> None:
@@ -241,8 +248,8 @@ class Agent:
             s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
         }
         try:
-            self._send(
-                protocol.HELLO,
+            first = self._await_welcome(
+                links,
                 {
                     "role": "agent",
                     "node": cfg.node_rank,
@@ -251,7 +258,6 @@ class Agent:
                     "nproc_per_node": cfg.nproc_per_node,
                 },
             )
-            first = self._await_welcome(links.active_socket)
             if first.type == protocol.SHUTDOWN:
                 reason = first.body.get("reason", "")
                 raise AgentError(f"the coordinator refused this node: {reason}")
@@ -281,17 +287,29 @@ class Agent:
             ctx.term()
             self.events.close()
 
-    def _await_welcome(self, sock: zmq.Socket) -> protocol.Message:
-        """The coordinator's first answer (welcome or shutdown); anything else is dropped."""
+    def _await_welcome(self, links: CoordinatorLinks, hello: dict) -> protocol.Message:
+        """Say hello until the coordinator's first answer (welcome or shutdown) comes; anything
+        else is dropped. An unanswered hello goes again every ``_HELLO_RETRY_S`` on a fresh
+        connection (a coordinator over its connection cap refused the last one)."""
         cfg = self.config
+        sock = links.active_socket
         deadline = time.monotonic() + cfg.welcome_timeout_s
+        next_hello, first = time.monotonic(), True
         while True:
-            left_s = deadline - time.monotonic()
-            if left_s <= 0 or not sock.poll(left_s * 1000):
+            now = time.monotonic()
+            if now >= next_hello:
+                if not first:
+                    links.reconnect(links.active)
+                self._send(protocol.HELLO, hello)
+                next_hello, first = now + _HELLO_RETRY_S, False
+            left_s = deadline - now
+            if left_s <= 0:
                 raise TimeoutError(
                     f"no answer from the coordinator at {cfg.coordinator} within "
                     f"{cfg.welcome_timeout_s:.0f}s; check --coordinator and that node 0 runs"
                 )
+            if not sock.poll(min(left_s, next_hello - now) * 1000):
+                continue
             for msg in self.codec.drain(sock):
                 if msg.type in (protocol.WELCOME, protocol.SHUTDOWN):
                     return msg
@@ -341,7 +359,7 @@ class Agent:
             self._send(protocol.HEARTBEAT, {})
             # Processes that said hello after the last mirror are unknown to the new one.
             self._send(
-                protocol.CHILDREN, {"identities": [c.identity for c in self.children.values()]}
+                protocol.CHILDREN, {"identities": [c.routing for c in self.children.values()]}
             )
             now = time.monotonic()
             for _, body in [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S]:

@@ -277,6 +277,14 @@ def _secret_file(args: argparse.Namespace, run_dir: Path) -> str:
     return str(path)
 
 
+def _operator_key(run_dir: Path) -> None:
+    """Make ``<run-dir>/operator.key`` (0600) once: the credential ``p2p-run scale`` signs with."""
+    try:
+        secret_file.create_once(run_dir / secret_file.OPERATOR_KEY_FILE)
+    except ValueError as e:
+        raise UsageError(f"{e} (the operator key p2p-run scale uses)") from None
+
+
 def standby_nodes(spec: str | None, nnodes: int) -> list[int]:
     """The node ranks of ``--standby-coordinators`` (default: node 1 of a 2+ node job).
 
@@ -340,6 +348,7 @@ def coordinator_config(
             port=port,
             job_id=args.job_id,
             secret_file=secret,
+            operator_key_file=str(run_dir / secret_file.OPERATOR_KEY_FILE),
             run_dir=str(run_dir),
             membership=membership,
             **given,
@@ -454,6 +463,8 @@ def _head_node(argv: list[str]) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         args.node_rank, args.external_coordinator = 0, args.standby_of is not None
         secret = _secret_file(args, run_dir)
+        if not args.standby_of:
+            _operator_key(run_dir)
         host, _, port = args.coordinator.rpartition(":")
         standby = {"node": "head", "advertise": host} if args.standby_of else {}
         settings = coordinator_config(args, run_dir, secret, host, int(port), **standby)
@@ -497,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         secret = _secret_file(args, run_dir)
         address = args.coordinator
         if args.node_rank == 0 and not args.external_coordinator:
+            _operator_key(run_dir)
             coordinator, address = _start_coordinator(args, run_dir, secret)
         elif args.node_rank in standby_nodes(args.standby_coordinators, args.nnodes):
             coordinator, _ = _start_coordinator(args, run_dir, secret, standby_of=address)

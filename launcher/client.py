@@ -61,6 +61,15 @@ class ClientConfig:
     heartbeat_interval_s: float = 0.5
     run_dir: str | None = None
     """Where the job's event log lives (``None``: events are not written)."""
+    routing_id: str | None = None
+    """The routing id to connect under (``None``: a new one)."""
+
+    def __post_init__(self) -> None:
+        if self.routing_id is not None and protocol.identity_of(self.routing_id) != self.identity:
+            raise ValueError(
+                f"{protocol.ENV_ROUTING_ID} {self.routing_id!r} is not a routing id of "
+                f"{protocol.ENV_IDENTITY} {self.identity!r}; unset it (a new one is drawn)"
+            )
 
     @property
     def coordinators(self) -> list[str]:
@@ -95,6 +104,7 @@ class ClientConfig:
             node=int(os.environ.get(protocol.ENV_NODE_RANK, "0")),
             heartbeat_interval_s=float(os.environ.get(protocol.ENV_HEARTBEAT_INTERVAL, "0.5")),
             run_dir=os.environ.get(protocol.ENV_RUN_DIR) or None,
+            routing_id=os.environ.get(protocol.ENV_ROUTING_ID) or None,
         )
 
 
@@ -255,7 +265,13 @@ class ControlClient:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        links = CoordinatorLinks(ctx, self.config.identity, self._codec, self.config.coordinators)
+        links = CoordinatorLinks(
+            ctx,
+            self.config.identity,
+            self._codec,
+            self.config.coordinators,
+            routing=self.config.routing_id,
+        )
         poller = zmq.Poller()
         for sock in links.sockets.values():
             poller.register(sock, zmq.POLLIN)
@@ -272,7 +288,7 @@ class ControlClient:
                 if not self._welcome.is_set() and time.monotonic() >= next_hello:
                     # Unanswered: the coordinator may have died before it heard us. Say hello
                     # to the next one known (a standby that took over answers).
-                    links.rotate()
+                    links.reconnect(links.rotate())
                     links.send(protocol.HELLO, hello)
                     next_hello = time.monotonic() + _HELLO_RETRY_S
                 wait_s = next_beat if self._welcome.is_set() else min(next_beat, next_hello)

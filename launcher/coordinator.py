@@ -40,6 +40,7 @@ from typing import Any
 import zmq
 
 from launcher import config, mirror, protocol
+from launcher.admission import ConnectionGate, Quota
 from launcher.config import setting
 from launcher.decisions import End, Event, Generation, Interrupt, Kill, Process, Send, SpawnSpare
 from launcher.events import EventLog
@@ -55,6 +56,8 @@ _DRAIN_BATCH = 1000
 COORDINATOR_IDENTITY = protocol.COORDINATOR
 #: How often a standby that lost the active coordinator asks the agents again for their vote.
 _VOTE_RETRY_S = 0.2
+#: A standby's unanswered hellos after which it connects to the active coordinator afresh.
+_RECONNECT_EVERY = 10
 #: How often the active coordinator mirrors a changed membership between generations.
 _MIRROR_EVERY_S = 0.5
 
@@ -68,6 +71,9 @@ class CoordinatorConfig:
     """0 picks a free port (written to coordinator.json)."""
     job_id: str = "p2p-job"
     secret_file: str
+    operator_key_file: str | None = None
+    """The operator's key (``<run-dir>/operator.key``): only a ``scale`` signed with it is
+    taken. Without one, no resize is accepted."""
     run_dir: str
     membership: MembershipConfig
     tick_s: float = 0.05
@@ -98,8 +104,24 @@ class CoordinatorConfig:
         "their votes to take over, seconds (default {default})",
     )
     """Silence of the active coordinator after which a standby asks for the agents' votes."""
+    max_unauthenticated_connections: int = 4096
+    """New connections are refused (one rate-limited log line says so) while this many open
+    ones have said no accepted hello; processes that did are never counted."""
+    max_messages_per_s: float = 1000.0
+    """Messages a connection may send per second (twice that at once); the rest are dropped
+    before their tag is checked."""
 
     def __post_init__(self) -> None:
+        if self.max_unauthenticated_connections < 1:
+            raise ValueError(
+                "CoordinatorConfig.max_unauthenticated_connections "
+                f"{self.max_unauthenticated_connections}: must be at least 1"
+            )
+        if not self.max_messages_per_s >= 1:
+            raise ValueError(
+                f"CoordinatorConfig.max_messages_per_s {self.max_messages_per_s}: must be at "
+                "least 1"
+            )
         node = self.node
         if not (node.isascii() and node.isalnum() and len(node) <= 16):
             raise ValueError(
@@ -119,6 +141,17 @@ class Coordinator:
             f"{COORDINATOR_IDENTITY}/{config.node}" if self.standby else COORDINATOR_IDENTITY
         )
         self.codec = protocol.Codec(secret, config.job_id, self.identity)
+        self._load_operator_key()
+        if not self.standby:
+            # This run's nonce: every message must carry it (a standby learns it from the
+            # challenge its hello gets, and keeps it when it takes over).
+            self.codec.run = os.urandom(protocol.RUN_NONCE_BYTES)
+        self.routes: dict[str, bytes] = {}
+        """identity -> the routing id its last accepted hello came on: the only connection
+        that identity's messages are taken from and replies go to."""
+        self.quota = Quota(config.max_messages_per_s, 2 * config.max_messages_per_s)
+        self.over_quota = 0
+        """Messages dropped because their connection was over its quota."""
         self.membership = Membership(config.membership)
         self.events = EventLog(config.run_dir, self.identity)
         self.ctx = zmq.Context()
@@ -129,6 +162,10 @@ class Coordinator:
         # refused: an unauthenticated socket that connected first as ``agent/1`` cannot keep
         # the real node 1 unserved (docs/security.md).
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.gate = ConnectionGate(
+            self.ctx, config.max_unauthenticated_connections, lambda: len(self.routes)
+        )
+        self.gate.install(self.sock)
         logger.debug("open-file limit %d", protocol.raise_descriptor_limit())
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
@@ -180,7 +217,7 @@ class Coordinator:
         """Until then the quorum is not checked (processes reconnecting after a takeover)."""
         if self.standby:
             self._upstream = self.ctx.socket(zmq.DEALER)
-            self._upstream.setsockopt(zmq.IDENTITY, self.identity.encode())
+            self._upstream.setsockopt(zmq.IDENTITY, protocol.routing_id(self.identity).encode())
             self._upstream.setsockopt(zmq.LINGER, 0)
             protocol.harden_socket(self._upstream)
             self._upstream.setsockopt(zmq.IMMEDIATE, 1)  # only a live coordinator gets sends
@@ -188,6 +225,16 @@ class Coordinator:
         self._upstream_address = config.standby_of or ""
         self._upstream_heard = False
         self._next_hello = 0.0
+        self._hellos_unanswered = 0
+
+    def _load_operator_key(self) -> None:
+        path = self.config.operator_key_file
+        if path is None or not os.path.exists(path):
+            return
+        try:
+            self.codec.operator_key = protocol.read_secret(path)
+        except ValueError as e:
+            logger.warning("%s: no resize will be accepted", e)
 
     @property
     def address(self) -> str:
@@ -333,8 +380,9 @@ class Coordinator:
         if state == self._mirrored and not force:
             return  # unchanged: the heartbeats tell the standbys this coordinator lives
         self._mirrored = state
+        routes = {identity: routing.decode() for identity, routing in self.routes.items()}
         for identity in self.standbys:
-            self._send(identity, protocol.STATE, {"state": state, "now": now})
+            self._send(identity, protocol.STATE, {"state": state, "now": now, "routes": routes})
 
     def _receive_upstream(self) -> None:
         """A standby reads what the active coordinator sends it."""
@@ -348,10 +396,12 @@ class Coordinator:
             self._votes_asked_at = 0.0
             if msg.type == protocol.STATE:
                 try:
+                    routes = _routes(msg.body.get("routes", {}))
                     mirror.load(self.membership, msg.body["state"], float(msg.body["now"]))
                 except ValueError as e:
                     self._drop(f"state from {msg.sender}: {e}")
                     continue
+                self.routes = routes
                 self.clock_offset = float(msg.body["now"]) - time.monotonic()
                 self._has_state = True
                 self._mirrored_term = msg.term
@@ -362,7 +412,14 @@ class Coordinator:
     def _standby_tick(self) -> None:
         """Ask for votes once the active coordinator has been silent too long; win or wait."""
         if not self._upstream_heard and time.monotonic() >= self._next_hello:
-            # Sent only over a completed connection (ZMQ_IMMEDIATE): again until answered.
+            # Sent only over a completed connection (ZMQ_IMMEDIATE): again until answered, on
+            # a fresh connection now and then (one the active coordinator refused, over its
+            # cap of unauthenticated connections, is never retried by ZeroMQ itself).
+            self._hellos_unanswered += 1
+            if self._hellos_unanswered % _RECONNECT_EVERY == 0 and self._upstream is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._upstream.disconnect(f"tcp://{self._upstream_address}")
+                self._upstream.connect(f"tcp://{self._upstream_address}")
             self._send_upstream(protocol.HELLO, self._standby_hello())
             self._next_hello = time.monotonic() + _VOTE_RETRY_S
         silent = time.monotonic() - self._heard_active
@@ -424,6 +481,8 @@ class Coordinator:
         if self.config.host_store:
             self.store = StoreServer(self._secret, self.config.job_id, self.config.host).start()
             self.store_port = self.store.port
+        if self.codec.operator_key is None:
+            self._load_operator_key()
         now = self.now()
         # Every live process answers the takeover at once (its link sends a heartbeat): one
         # that has not within half the heartbeat timeout is lost, so a node lost with the old
@@ -454,11 +513,27 @@ class Coordinator:
     def handle_frames(self, frames: list[bytes]) -> None:
         """Authenticate, decode and act on one message; drop anything invalid with a reason."""
         now = self.now()
+        if frames and not self.quota.allow(frames[0], time.monotonic()):
+            self.over_quota += 1
+            self._drop(
+                f"connection {frames[0][:80]!r} is over its quota of "
+                f"{self.config.max_messages_per_s:.0f} messages/s "
+                "(CoordinatorConfig.max_messages_per_s)"
+            )
+            return
         try:
             if len(frames) < 1:
                 raise protocol.Rejected("empty message")
             routing = frames[0].decode("utf-8", errors="replace")
             msg = self.codec.decode(frames[1:], routing_id=routing)
+        except protocol.WrongRun as e:
+            if e.run:
+                self._drop(e.reason)  # a frame of another run: dropped, and logged
+            # else a process's first hello or scale (it has not learned the nonce yet), or what
+            # it sent before its welcome: the challenge teaches it, nothing to log.
+            if e.type in (protocol.HELLO, protocol.SCALE):
+                self._challenge(frames[0], e.operator)
+            return
         except protocol.Rejected as e:
             self._drop(e.reason)
             return
@@ -466,7 +541,10 @@ class Coordinator:
             self._internal_error("decode", e)
             return
         try:
-            self._dispatch(msg, now)
+            self._dispatch(msg, frames[0], now)
+        except Unbound as e:
+            self._drop(str(e))
+            self._challenge(frames[0], False)
         except (KeyError, TypeError, ValueError) as e:
             self._drop(f"malformed {msg.type} from {msg.sender}: {e!r}")
         except Exception as e:
@@ -478,7 +556,25 @@ class Coordinator:
         if self.codec.drops.drop(reason):
             self.events.write("message_dropped", reason=reason)
 
-    def _dispatch(self, msg: protocol.Message, now: float) -> None:
+    def _challenge(self, routing: bytes, operator: bool) -> None:
+        """Ask the process on connection ``routing`` to say hello (again) with this run's
+        nonce: the answer to a hello or scale of the wrong run, or to a message on a
+        connection its sender has not authenticated."""
+        if not self.codec.run:
+            return  # a standby that has not learned the run yet: nothing to tell
+        key = self.codec.operator_key if operator else None
+        frames = self.codec.encode(protocol.CHALLENGE, {}, key=key)
+        try:
+            self.sock.send_multipart([routing, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("could not send a challenge: %s", e)
+
+    def _check_route(self, msg: protocol.Message, routing: bytes) -> None:
+        """A message counts only from the connection its sender's accepted hello came on."""
+        if self.routes.get(msg.sender) != routing:
+            raise Unbound(f"{msg.type} from {msg.sender} on a connection it has not said hello on")
+
+    def _dispatch(self, msg: protocol.Message, routing: bytes, now: float) -> None:
         body = msg.body
         if msg.term > self.codec.term:
             self._fenced(msg)
@@ -487,6 +583,7 @@ class Coordinator:
             # Before a takeover a standby acts on nothing but the votes it asked for.
             if msg.type != protocol.VOTED or not msg.sender.startswith("agent/"):
                 raise ValueError(f"a standby takes no {msg.type} (from {msg.sender})")
+            self._check_route(msg, routing)
             if msg.term == self.codec.term and body["granted"]:
                 self._votes.add(msg.sender)
                 self.events.write("vote", identity=msg.sender, term=msg.term)
@@ -499,25 +596,33 @@ class Coordinator:
         if msg.type == protocol.VOTED:
             return  # an answer that came after this coordinator had won its election
         if msg.type == protocol.HELLO and body.get("role") == "standby":
-            self._standby_joined(msg)
+            self._standby_joined(msg, routing)
             return
         if msg.type == protocol.SCALE:
-            # Only an operator resizes; the schema already made ``size`` an integer (not a bool).
-            if not msg.sender.startswith("operator/") or msg.sender in self.membership.procs:
-                raise ValueError(f"{msg.sender} may not resize the job (only p2p-run scale)")
+            # Only the operator key resizes (the job's secret alone does not); the schema
+            # already made ``size`` an integer (not a bool).
+            if not msg.operator:
+                raise ValueError(
+                    f"{msg.sender} may not resize the job: a scale must be signed with the "
+                    "operator key (p2p-run scale reads <run-dir>/operator.key)"
+                )
         elif msg.sender.startswith("operator/"):
             raise ValueError(f"an operator may only send scale, not {msg.type}")
         elif msg.type != protocol.HELLO and msg.sender not in self.membership.procs:
             raise ValueError(f"{msg.sender} sent {msg.type} before its hello")
+        elif msg.type != protocol.HELLO:
+            self._check_route(msg, routing)
         self.membership.heartbeat(msg.sender, now)
         if msg.type == protocol.HELLO:
             proc = Process(msg.sender, str(body["role"]), int(body["node"]), int(body["pid"]))
+            if proc.role not in ("rank", "spare", "agent"):
+                raise ValueError(f"unknown role {proc.role!r}")
+            # A fresh, signed hello of this run binds the identity to its connection.
+            self.routes[msg.sender] = routing
             if self.membership.procs.get(msg.sender) == proc:
                 # The same process again (its first hello went unanswered): welcome it again.
                 self._send(msg.sender, protocol.WELCOME, self._welcome_body())
                 return
-            if proc.role not in ("rank", "spare", "agent"):
-                raise ValueError(f"unknown role {proc.role!r}")
             rank = body.get("rank")
             world = self.config.membership.world_size
             if proc.role == "agent" and int(body.get("world_size", world)) != world:
@@ -575,6 +680,7 @@ class Coordinator:
             self._check_reporter(msg.sender, identity)
             self.events.write("process_exited", identity=identity, code=int(body["code"]))
             self.codec.forget(identity)
+            self.routes.pop(identity, None)
             rank = body.get("rank")
             self._apply(
                 self.membership.exited(
@@ -601,7 +707,7 @@ class Coordinator:
         logger.warning("replaced by a newer coordinator (%s): stopping", reason)
         self.exit_code = 0
 
-    def _standby_joined(self, msg: protocol.Message) -> None:
+    def _standby_joined(self, msg: protocol.Message, routing: bytes) -> None:
         """A standby coordinator said hello: mirror to it, and tell everyone where it is."""
         identity, address = msg.sender, str(msg.body.get("address", ""))
         host, _, port = address.rpartition(":")
@@ -609,6 +715,10 @@ class Coordinator:
             raise ValueError(f"{identity} is not a standby coordinator at host:port ({address!r})")
         if len(self.standbys) >= 8 and identity not in self.standbys:
             raise ValueError(f"{identity}: a job has at most 8 standby coordinators")
+        self.routes[identity] = routing
+        if self.standbys.get(identity) == address:
+            self._mirror(force=True)  # its hello again (sent until answered): answer it
+            return
         self.standbys[identity] = address
         self.events.write("standby_joined", identity=identity, address=address)
         addresses = sorted(self.standbys.values())
@@ -617,18 +727,22 @@ class Coordinator:
         self._mirror(force=True)
 
     def _children_after_takeover(self, sender: str, identities: list) -> None:
-        """An agent names its processes after a takeover: those this coordinator does not
-        know (they said hello after the last mirror) are told of it too, and say hello again."""
+        """An agent names its processes (their routing ids) after a takeover: those this
+        coordinator does not know (they said hello after the last mirror) are told of it too,
+        and say hello again."""
         agent = self.membership.procs.get(sender)
         if agent is None or agent.role != "agent":
             raise ValueError(f"{sender} is not an agent and may not name processes")
-        for identity in identities[:256]:
-            if (
-                isinstance(identity, str)
-                and identity not in self.membership.procs
-                and identity.split("/")[1:2] == [str(agent.node)]
-            ):
-                self._send(identity, protocol.TAKEOVER, {"store_port": self.store_port})
+        for routing in identities[:256]:
+            if not isinstance(routing, str) or len(routing) > 2 * protocol.MAX_IDENTITY_CHARS:
+                continue
+            identity = protocol.identity_of(routing)
+            if identity not in self.membership.procs and identity.split("/")[1:2] == [
+                str(agent.node)
+            ]:
+                frames = self.codec.encode(protocol.TAKEOVER, {"store_port": self.store_port})
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.send_multipart([routing.encode(), *frames], zmq.NOBLOCK)
 
     def _check_reporter(self, sender: str, identity: str) -> None:
         """Only an agent reports an exit, and only of a process of its own node."""
@@ -696,22 +810,32 @@ class Coordinator:
         )
         for identity in to:
             frames = frames_full if first or identity in newcomers else frames_delta
+            routing = self.routes.get(identity)
+            if routing is None:
+                logger.warning("generation %d: %s never said hello here", gen.generation, identity)
+                continue
             try:
-                self.sock.send_multipart([identity.encode(), *frames], zmq.NOBLOCK)
+                self.sock.send_multipart([routing, *frames], zmq.NOBLOCK)
             except zmq.ZMQError as e:
                 logger.warning(
                     "could not send generation %d to %s: %s", gen.generation, identity, e
                 )
 
     def _send(self, identity: str, type_: str, body: dict, generation: int = 0) -> None:
+        """Send to ``identity`` on the connection its accepted hello came on (none: dropped)."""
+        routing = self.routes.get(identity)
+        if routing is None:
+            logger.debug("%s not sent: %s never said hello here", type_, identity)
+            return
         frames = self.codec.encode(type_, body, generation or self.membership.generation)
         try:
-            self.sock.send_multipart([identity.encode(), *frames], zmq.NOBLOCK)
+            self.sock.send_multipart([routing, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("could not send %s to %s: %s", type_, identity, e)
 
     def close(self) -> None:
         """Close the sockets (bounded linger), the store and the event log."""
+        self.gate.close()
         self.sock.close(linger=500)
         if self._upstream is not None:  # a standby that never took over
             self._upstream.close(linger=0)
@@ -722,6 +846,22 @@ class Coordinator:
             self.store.close()
             self.store = None
         self.env_store = None
+
+
+class Unbound(ValueError):
+    """A valid message on a connection its sender has not said hello on: challenged."""
+
+
+def _routes(doc: Any) -> dict[str, bytes]:
+    """The routes an active coordinator mirrored (each identity's routing id), checked."""
+    if not isinstance(doc, dict) or len(doc) > 1 << 20:
+        raise ValueError("routes: not a map of at most 2**20 entries")
+    routes = {}
+    for identity, routing in doc.items():
+        if not isinstance(routing, str) or protocol.identity_of(routing) != identity:
+            raise ValueError(f"routes: {str(routing)[:80]!r} is not a routing id of {identity!r}")
+        routes[identity] = routing.encode()
+    return routes
 
 
 def config_file(run_dir: str | Path, node: str) -> Path:

@@ -13,6 +13,7 @@ ZeroMQ sockets are not thread-safe: a link belongs to the one thread that polls 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,13 +42,22 @@ class CoordinatorLinks:
         identity: This process's control-plane identity (the sockets' routing id).
         codec: Signs what is sent; its ``term`` is kept equal to this link's.
         addresses: ``host:port`` of the coordinator to start with, then any standbys known.
+        routing: The routing id every socket connects under (default: a new
+            :func:`launcher.protocol.routing_id`); the same on every link, so a standby that
+            mirrored the routes reaches this process when it takes over.
     """
 
     def __init__(
-        self, ctx: zmq.Context[Any], identity: str, codec: protocol.Codec, addresses: list[str]
+        self,
+        ctx: zmq.Context[Any],
+        identity: str,
+        codec: protocol.Codec,
+        addresses: list[str],
+        routing: str | None = None,
     ) -> None:
         self.ctx = ctx
         self.identity = identity
+        self.routing = routing or protocol.routing_id(identity)
         self.codec = codec
         self.sockets: dict[str, zmq.Socket[Any]] = {}
         self.active = addresses[0]
@@ -64,7 +74,7 @@ class CoordinatorLinks:
         if address in self.sockets:
             return None
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        sock.setsockopt(zmq.IDENTITY, self.routing.encode())
         sock.setsockopt(zmq.LINGER, 500)
         protocol.harden_socket(sock)
         sock.connect(f"tcp://{address}")
@@ -90,6 +100,15 @@ class CoordinatorLinks:
             self.sockets[address].send_multipart(self.codec.encode(type_, body), zmq.NOBLOCK)
         except zmq.Again:
             logger.debug("the queue to %s is full; %s not sent", address, type_)
+
+    def reconnect(self, address: str) -> None:
+        """Connect to ``address`` afresh. A coordinator over its cap of unauthenticated
+        connections refuses a new one during its handshake, and ZeroMQ never retries a refused
+        handshake by itself; a hello that goes unanswered calls this before it goes again."""
+        sock = self.sockets[address]
+        with contextlib.suppress(zmq.ZMQError):  # a refused connection may be gone already
+            sock.disconnect(f"tcp://{address}")
+        sock.connect(f"tcp://{address}")
 
     def rotate(self) -> str:
         """Make the next known coordinator the active one (a hello nobody answered)."""

@@ -1,9 +1,10 @@
 """The control-plane wire format: one module owns it.
 
 Every message is two ZeroMQ frames: an HMAC-SHA256 tag, then a msgpack map
-``{v, type, job, sender, gen, seq, body}``. The tag is checked (``hmac.compare_digest``) before a
-byte of the payload is decoded; then the version, the job id, the type, the sender (it must match
-the ZeroMQ routing identity it came from) and the sequence number (strictly increasing per
+``{v, type, job, run, sender, gen, seq, epoch, term, body}``. The tag is checked
+(``hmac.compare_digest``) before a byte of the payload is decoded; then the version, the job
+id, the type, the sender (it must match the identity part of the ZeroMQ routing id it came
+from) and the sequence number (strictly increasing per
 sender and process incarnation: a replayed or reordered message is dropped) are checked, then
 the body against the type's schema (:data:`BODY_SCHEMA`). A message failing any check is dropped
 with its reason; nothing here raises on network input except :class:`Rejected`.
@@ -39,7 +40,7 @@ import msgpack
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + 64
 """ZMQ_MAXMSGSIZE of every control-plane socket: libzmq drops the connection of a peer announcing
@@ -49,6 +50,8 @@ RECEIVE_HWM = 10_000
 FRESHNESS_S = 600.0
 """How far (either way) the epoch of a ``hello`` or ``scale`` may be from the receiver's clock."""
 MAX_IDENTITY_CHARS = 64
+RUN_NONCE_BYTES = 16
+"""Length of a run nonce (``os.urandom``): one per job, drawn by its first coordinator."""
 
 # Environment variables p2p-run sets for every rank and spare (torchrun's own are set too).
 ENV_COORDINATOR = "P2P_COORDINATOR"
@@ -60,6 +63,9 @@ ENV_ROLE = "P2P_ROLE"
 """``rank`` or ``spare``."""
 ENV_IDENTITY = "P2P_IDENTITY"
 """The process's control-plane identity, e.g. ``rank/3`` or ``spare/1/0`` (node 1, spare 0)."""
+ENV_ROUTING_ID = "P2P_ROUTING_ID"
+"""The routing id the process connects under (:func:`routing_id`; its agent draws it, so it
+can name the process to a coordinator that took over)."""
 ENV_NODE_RANK = "P2P_NODE_RANK"
 ENV_HEARTBEAT_INTERVAL = "P2P_HEARTBEAT_INTERVAL"
 ENV_RUN_DIR = "P2P_RUN_DIR"
@@ -113,6 +119,10 @@ VOTE = "vote"  # standby -> agent: may I take over with the term in my envelope?
 VOTED = "voted"  # agent -> standby: {"granted"}
 TAKEOVER = "takeover"  # new active -> everyone: {"store_port"}: talk to me from now on
 CHILDREN = "children"  # agent -> a coordinator that took over: {"identities"} of its processes
+# (their routing ids)
+CHALLENGE = "challenge"  # coordinator -> a process whose hello/scale carried another run's
+# nonce, or whose message came on a connection it has not said hello on: say hello again, with
+# the run nonce of this message's envelope
 
 TYPES = frozenset(
     {
@@ -136,6 +146,7 @@ TYPES = frozenset(
         VOTED,
         TAKEOVER,
         CHILDREN,
+        CHALLENGE,
     }
 )
 
@@ -179,11 +190,12 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "standbys": (_LIST, False),
     },
     STANDBYS: {"addresses": (_LIST, True)},
-    STATE: {"state": ((bytes,), True), "now": ((float,), True)},
+    STATE: {"state": ((bytes,), True), "now": ((float,), True), "routes": ((dict,), False)},
     VOTE: {"silence_s": ((float,), False)},
     VOTED: {"granted": ((bool,), True), "active": (_STR, False)},
     TAKEOVER: {"store_port": (_INT, True)},
     CHILDREN: {"identities": (_LIST, True)},
+    CHALLENGE: {},
 }
 _MAX_ABS_INT = 2**62
 
@@ -295,12 +307,39 @@ def is_coordinator(identity: str) -> bool:
     return identity == COORDINATOR or identity.startswith(COORDINATOR + "/")
 
 
+def routing_id(identity: str) -> str:
+    """The ZeroMQ routing id a process connects under: its identity and a random token.
+
+    The token is drawn once per process, so nobody can predict the routing id a peer uses: a
+    socket that connects under a guessed one (``agent/1``) takes over nothing the coordinator
+    sends, since replies go to the routing id the identity's accepted hello came on.
+    """
+    return f"{identity}#{os.urandom(8).hex()}"
+
+
+def identity_of(routing: str) -> str:
+    """The identity part of a routing id (the routing id itself when it has no token)."""
+    return routing.split("#", 1)[0]
+
+
 class Rejected(ValueError):
     """A received message failed a check; ``reason`` says which."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class WrongRun(Rejected):
+    """A valid, signed message that does not carry this run's nonce (a sender that has not
+    learned it yet, or a frame captured in another run): answered with a challenge."""
+
+    def __init__(self, reason: str, type_: str, operator: bool, run: bytes) -> None:
+        super().__init__(reason)
+        self.type = type_
+        self.operator = operator
+        self.run = run
+        """The nonce the message carried (empty: its sender has not learned one yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +355,10 @@ class Message:
     term: int = 0
     """The sender's coordinator term: which coordinator it obeys (or, from a coordinator, the
     term it acts in). A coordinator's message of an older term than the receiver's is stale."""
+    run: bytes = b""
+    """The run nonce the sender stamped."""
+    operator: bool = False
+    """Signed with the operator key rather than the job secret."""
 
 
 def read_secret(path: str) -> bytes:
@@ -384,15 +427,24 @@ class Codec:
     """Signs outgoing and verifies incoming messages of one job, with a replay guard.
 
     Args:
-        secret: The per-job secret.
+        secret: The per-job secret (an operator's codec: the operator key).
         job_id: Messages of other jobs are rejected.
         sender: This process's identity (stamped on everything it sends).
+        operator_key: A coordinator's: frames signed with it are accepted too, as the
+            operator's (only ``scale``, only from ``operator/...``).
     """
 
-    def __init__(self, secret: bytes, job_id: str, sender: str) -> None:
+    def __init__(
+        self, secret: bytes, job_id: str, sender: str, operator_key: bytes | None = None
+    ) -> None:
         self._secret = secret
+        self.operator_key = operator_key
         self.job_id = job_id
         self.sender = sender
+        self.run = b""
+        """The run nonce stamped on everything sent and required of everything received
+        (a ``challenge`` excepted): drawn by the first coordinator, learned by the others."""
+        self._opening: tuple[str, dict[str, Any], int] | None = None
         self._seq = 0
         self.term = 0
         """Stamped on everything sent: the coordinator term this process acts in or obeys."""
@@ -402,15 +454,28 @@ class Codec:
         self._last_seen: dict[str, tuple[int, int]] = {}
         self.drops = DropLog(logger)
 
-    def encode(self, type_: str, body: dict[str, Any] | None = None, generation: int = 0) -> list:
-        """The frames of a message."""
+    def encode(
+        self,
+        type_: str,
+        body: dict[str, Any] | None = None,
+        generation: int = 0,
+        key: bytes | None = None,
+    ) -> list:
+        """The frames of a message (signed with ``key`` when given, else the secret).
+
+        A ``hello`` or ``scale`` is remembered: :meth:`drain` sends it again, with the run
+        nonce, when a coordinator answers it with a ``challenge``.
+        """
         assert type_ in TYPES, type_
+        if type_ in (HELLO, SCALE):
+            self._opening = (type_, dict(body or {}), generation)
         self._seq += 1
         payload = msgpack.packb(
             {
                 "v": PROTOCOL_VERSION,
                 "type": type_,
                 "job": self.job_id,
+                "run": self.run,
                 "sender": self.sender,
                 "gen": generation,
                 "seq": self._seq,
@@ -420,27 +485,37 @@ class Codec:
             },
             use_bin_type=True,
         )
-        return [hmac.new(self._secret, payload, hashlib.sha256).digest(), payload]
+        return [hmac.new(key or self._secret, payload, hashlib.sha256).digest(), payload]
 
     def decode(self, frames: list[bytes], routing_id: str | None = None) -> Message:
         """Verify and decode ``[tag, payload]``.
 
         Args:
             frames: The two frames after any routing identity.
-            routing_id: The ZeroMQ identity the message arrived from, when known (ROUTER side);
-                the sender field must equal it.
+            routing_id: The ZeroMQ routing id the message arrived from, when known (ROUTER
+                side); the sender field must equal its identity part (:func:`identity_of`).
 
         Raises:
-            Rejected: with the reason, for anything that is not a valid, fresh message.
+            WrongRun: a valid message of another run (or of a sender that has not learned
+                this run's nonce yet); the replay state is left as it was.
+            Rejected: with the reason, for anything else that is not a valid, fresh message.
         """
         if len(frames) != 2:
             raise Rejected(f"expected 2 frames, got {len(frames)}")
         tag, payload = frames
         if len(payload) > MAX_MESSAGE_BYTES:
             raise Rejected(f"oversized message ({len(payload)} bytes > {MAX_MESSAGE_BYTES})")
+        operator = False
         expected = hmac.new(self._secret, payload, hashlib.sha256).digest()
         if not hmac.compare_digest(tag, expected):
-            raise Rejected("bad authentication tag")
+            operator_tag = (
+                b""
+                if self.operator_key is None
+                else hmac.new(self.operator_key, payload, hashlib.sha256).digest()
+            )
+            if not operator_tag or not hmac.compare_digest(tag, operator_tag):
+                raise Rejected("bad authentication tag")
+            operator = True
         try:
             doc = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except Exception as e:
@@ -451,8 +526,9 @@ class Codec:
             raise Rejected(f"unknown protocol version {str(doc.get('v'))[:20]!r}")
         if doc.get("job") != self.job_id:
             raise Rejected(f"message of another job {str(doc.get('job'))[:40]!r}")
-        type_, sender, gen, seq, epoch, term, body = (
+        type_, run, sender, gen, seq, epoch, term, body = (
             doc.get("type"),
+            doc.get("run"),
             doc.get("sender"),
             doc.get("gen"),
             doc.get("seq"),
@@ -467,6 +543,8 @@ class Codec:
             raise Rejected("malformed sender")
         if not isinstance(body, dict):
             raise Rejected("malformed body")
+        if not isinstance(run, bytes) or len(run) > 2 * RUN_NONCE_BYTES:
+            raise Rejected("malformed run nonce")
         for name, value in (
             ("generation", gen),
             ("sequence number", seq),
@@ -480,23 +558,29 @@ class Codec:
             ):
                 raise Rejected(f"malformed {name}")
         _check_body(type_, body)
-        if routing_id is not None and sender != routing_id:
+        if routing_id is not None and sender != identity_of(routing_id):
             raise Rejected(f"sender {sender!r} does not match its connection {routing_id!r}")
+        if operator and (type_ != SCALE or not sender.startswith("operator/")):
+            raise Rejected(f"{type_} from {sender} signed with the operator key (only scale is)")
         if type_ in (HELLO, SCALE) and abs(epoch - time.time_ns()) > FRESHNESS_S * 1e9:
             raise Rejected(f"stale {type_} from {sender} (an old run's frame, or a clock off)")
+        if type_ != CHALLENGE and run != self.run:
+            raise WrongRun(f"{type_} from {sender} of another run", type_, operator, run)
         last_epoch, last_seq = self._last_seen.get(sender, (-1, 0))
         if epoch < last_epoch:
             raise Rejected(f"message of an earlier incarnation of {sender}")
         if epoch == last_epoch and seq <= last_seq:
             raise Rejected(f"replayed or reordered message from {sender} (seq {seq})")
         self._last_seen[sender] = (epoch, seq)
-        return Message(type_, sender, gen, seq, body, epoch, term)
+        return Message(type_, sender, gen, seq, body, epoch, term, run, operator)
 
     def drain(self, sock: Any, expect_sender: str = COORDINATOR) -> list[Message]:
         """Every message waiting on ``sock`` that authenticates and comes from ``expect_sender``
         (for the default, any coordinator: the active one or a standby).
 
-        Never blocks; anything rejected or from someone else is dropped and logged.
+        Never blocks; anything rejected or from someone else is dropped and logged. A
+        coordinator's ``challenge`` is answered here: its run nonce is learned and the last
+        ``hello`` or ``scale`` goes out again on ``sock``, with it.
         """
         import zmq
 
@@ -516,7 +600,28 @@ class Codec:
             ):
                 self.drops.drop(f"a message from {msg.sender} (expected {expect_sender})")
                 continue
+            if msg.type == CHALLENGE:
+                self.answer(sock, msg)
+                continue
             out.append(msg)
+
+    def answer(self, sock: Any, challenge: Message) -> None:
+        """Learn the run nonce of a coordinator's ``challenge`` and say hello again on ``sock``
+        (an operator: send its ``scale`` again)."""
+        import zmq
+
+        if len(challenge.run) != RUN_NONCE_BYTES:
+            self.drops.drop(f"a challenge from {challenge.sender} without a run nonce")
+            return
+        if challenge.run != self.run:
+            logger.debug("run nonce %s from %s", challenge.run.hex(), challenge.sender)
+            self.run = challenge.run
+        if self._opening is not None:
+            type_, body, generation = self._opening
+            try:
+                sock.send_multipart(self.encode(type_, body, generation), zmq.NOBLOCK)
+            except zmq.Again:
+                logger.debug("the queue is full; %s not sent again", type_)
 
     def forget(self, sender: str) -> None:
         """A sender's process is gone: its next incarnation may start again at sequence 1.

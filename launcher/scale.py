@@ -2,25 +2,36 @@
 
     p2p-run scale --to 2 --run-dir runs/job1
 
-The request goes to the job's coordinator as an authenticated control message (the job's
-secret, found in its run directory unless ``--secret-file`` says otherwise). The coordinator's
-elastic policy turns it into a graceful resize: ranks finish their step, the state is resharded
-from peers, given-back ranks leave, and no step is lost. A size outside ``--min-ranks`` ..
-``--max-ranks`` is clamped to the nearest allowed size.
+The request goes to the job's coordinator as a control message signed with the job's
+*operator key* (``<run-dir>/operator.key``, made by p2p-run on node 0, mode 0600; or
+``--operator-key``): the ranks' secret alone cannot resize a job. The coordinator answers the
+first request with its run nonce (a challenge) and takes the request sent again with it, so a
+request captured in another run never counts. The coordinator's elastic policy turns it into a
+graceful resize: ranks finish their step, the state is resharded from peers, given-back ranks
+leave, and no step is lost. A size outside ``--min-ranks`` .. ``--max-ranks`` is clamped to
+the nearest allowed size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import zmq
 
 from launcher import protocol
 from launcher.coordinator import COORDINATOR_FILE, COORDINATOR_IDENTITY
+from launcher.secret import OPERATOR_KEY_FILE
+
+#: How long the coordinator's challenge is awaited.
+_CHALLENGE_TIMEOUT_S = 10.0
+#: How long one request waits for the challenge before it goes again.
+_RETRY_S = 2.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,13 +41,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str]) -> int:
-    """Send the request; 0 once it is handed to the coordinator's socket."""
+    """Send the request; 0 once it went out with the job's run nonce."""
     p = _Parser(prog="p2p-run scale", description=__doc__.splitlines()[0])
     p.add_argument("--to", type=int, required=True, help="the world size to run at")
     p.add_argument("--run-dir", default=None, help="the job's run directory (default runs/<id>)")
     p.add_argument("--job-id", default="p2p-job", help="the job's --job-id (default p2p-job)")
     p.add_argument("--coordinator", default=None, help="host:port (default: from the run dir)")
-    p.add_argument("--secret-file", default=None, help="the job's secret (default: the run dir's)")
+    p.add_argument(
+        "--operator-key",
+        default=None,
+        help=f"the job's operator key (default: <run-dir>/{OPERATOR_KEY_FILE})",
+    )
     args = p.parse_args(argv)
     if args.to < 1:
         p.error("--to must be >= 1")
@@ -52,18 +67,46 @@ def main(argv: list[str]) -> int:
     else:
         job_id = args.job_id
     try:
-        secret = protocol.read_secret(args.secret_file or str(run_dir / "secret"))
+        key = protocol.read_secret(args.operator_key or str(run_dir / OPERATOR_KEY_FILE))
     except ValueError as e:
-        p.error(str(e))
-    codec = protocol.Codec(secret, job_id, f"operator/{os.getpid()}")
+        p.error(f"{e} (--operator-key)")
+    sender = f"operator/{os.getpid()}"
+    codec = protocol.Codec(key, job_id, sender)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, codec.sender.encode())
+    sock.setsockopt(zmq.IDENTITY, protocol.routing_id(sender).encode())
     sock.setsockopt(zmq.LINGER, 2000)
     protocol.harden_socket(sock)
     try:
         sock.connect(f"tcp://{address}")
-        sock.send_multipart(codec.encode(protocol.SCALE, {"size": args.to}))
+        # The coordinator answers with its run nonce; drain() sends the request again with it.
+        # Unanswered, it goes again on a fresh connection (one refused over the coordinator's
+        # cap of unauthenticated connections is not retried by ZeroMQ itself).
+        deadline = time.monotonic() + _CHALLENGE_TIMEOUT_S
+        next_try = 0.0
+        while not codec.run:
+            now = time.monotonic()
+            if now >= next_try:
+                if next_try:
+                    with contextlib.suppress(zmq.ZMQError):  # a refused connection is gone
+                        sock.disconnect(f"tcp://{address}")
+                    sock.connect(f"tcp://{address}")
+                with contextlib.suppress(zmq.Again):  # not connected: the next try sends it
+                    sock.send_multipart(
+                        codec.encode(protocol.SCALE, {"size": args.to}), zmq.NOBLOCK
+                    )
+                next_try = now + _RETRY_S
+            left_s = min(deadline, next_try) - now
+            if deadline <= now:
+                print(
+                    f"p2p-run scale: error: no answer from the coordinator at {address} within "
+                    f"{_CHALLENGE_TIMEOUT_S:.0f}s (is the job running, and is this its "
+                    "operator key?)",
+                    file=sys.stderr,
+                )
+                return 1
+            if sock.poll(max(0.0, left_s) * 1000):
+                codec.drain(sock)
     finally:
         sock.close(linger=2000)  # delivered before we go, or given up on after 2 s
         ctx.term()

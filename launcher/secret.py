@@ -16,6 +16,9 @@ from pathlib import Path
 from launcher import protocol
 
 SECRET_FILE = "secret"
+OPERATOR_KEY_FILE = "operator.key"
+"""The operator's credential in the run directory (mode 0600, made with the secret by node 0):
+only a ``scale`` signed with it resizes the job; the ranks' secret alone does not."""
 _POLL_S = 0.1
 
 

@@ -147,7 +147,7 @@ def test_a_coordinator_that_hears_under_half_the_nodes_holds_its_decisions(coord
 
 
 def test_a_coordinator_that_receives_a_newer_term_stops(coordinator):
-    coordinator._dispatch(_message(1, protocol.HEARTBEAT, "agent/0"), time.monotonic())
+    coordinator._dispatch(_message(1, protocol.HEARTBEAT, "agent/0"), b"agent/0", time.monotonic())
     assert coordinator.exit_code == 0
 
 
@@ -177,9 +177,16 @@ def standby(tmp_path):
     for node in range(3):
         active.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, 0.0)
     mirror.load(c.membership, mirror.dump(active), 0.0)
+    # The routes mirrored with the state: each agent's hello came on a routing id of its name.
+    c.routes = {f"agent/{node}": f"agent/{node}".encode() for node in range(3)}
     c._has_state = True
     yield c
     c.close()
+
+
+def _deliver(c: Coordinator, msg: protocol.Message) -> None:
+    """``msg`` as if it came on the connection its sender said hello on."""
+    c._dispatch(msg, msg.sender.encode(), 0.0)
 
 
 def _voted(identity: str, term: int, granted: bool = True):
@@ -192,11 +199,11 @@ def test_a_standby_takes_over_with_more_than_half_the_votes_only(standby):
     standby._heard_active -= 1.0
     standby._standby_tick()
     assert standby.codec.term == 1
-    standby._dispatch(_voted("agent/1", 1), 0.0)
-    standby._dispatch(_voted("agent/2", 0), 0.0)  # an answer to another term counts for nothing
+    _deliver(standby, _voted("agent/1", 1))
+    _deliver(standby, _voted("agent/2", 0))  # an answer to another term counts for nothing
     standby._standby_tick()
     assert standby.standby, "1 vote of 3 nodes is no majority"
-    standby._dispatch(_voted("agent/2", 1), 0.0)
+    _deliver(standby, _voted("agent/2", 1))
     standby._standby_tick()
     assert not standby.standby and standby.codec.term == 1
     took = [e for e in read_events(standby.config.run_dir) if e["event"] == "takeover"]
@@ -206,7 +213,7 @@ def test_a_standby_takes_over_with_more_than_half_the_votes_only(standby):
 def test_an_election_that_wins_no_majority_in_time_goes_again_in_a_newer_term(standby):
     standby._heard_active -= 1.0
     standby._standby_tick()
-    standby._dispatch(_voted("agent/1", 1), 0.0)
+    _deliver(standby, _voted("agent/1", 1))
     standby._votes_asked_at -= 1.0  # the takeover timeout passed without a majority
     standby._standby_tick()
     assert standby.codec.term == 2 and not standby._votes and standby.standby
@@ -216,6 +223,7 @@ def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover
     from launcher.decisions import Process
 
     coordinator.membership.hello(Process("agent/1", "agent", 1, 11), None, 0.0)
+    coordinator.routes["agent/1"] = b"agent/1"
     ctx = zmq.Context.instance()
     late = ctx.socket(zmq.DEALER)
     late.setsockopt(zmq.IDENTITY, b"spare/1/5")
@@ -223,13 +231,14 @@ def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover
     late.connect(f"tcp://127.0.0.1:{coordinator.port}")
     try:
         reader = protocol.Codec(coordinator._secret, "p2p-job", "spare/1/5")
+        reader.run = coordinator.codec.run
         names = ["rank/1/1", "spare/1/5", "spare/2/9"]  # spare/2/9: another node's, ignored
         deadline = time.monotonic() + 30
         got = []
         while not got and time.monotonic() < deadline:  # until the connection is up
-            coordinator._dispatch(
+            _deliver(
+                coordinator,
                 protocol.Message(protocol.CHILDREN, "agent/1", 0, 1, {"identities": names}, 1, 0),
-                0.0,
             )
             got = late.poll(200) and reader.drain(late)
         assert {m.type for m in got} == {protocol.TAKEOVER}
@@ -245,7 +254,7 @@ def test_a_standby_left_behind_by_another_ones_takeover_follows_the_winner(stand
     refusal = protocol.Message(
         protocol.VOTED, "agent/0", 0, 1, {"granted": False, "active": "127.0.0.1:7"}, 1, 1
     )
-    standby._dispatch(refusal, 0.0)
+    _deliver(standby, refusal)
     assert standby._upstream_address == "127.0.0.1:7" and standby.standby
     assert standby.codec.term == 1 and not standby._votes
     standby._standby_tick()

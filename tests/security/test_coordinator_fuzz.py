@@ -22,6 +22,9 @@ from launcher.events import read_events
 from launcher.membership import MembershipConfig
 
 SECRET = b"0123456789abcdef0123456789abcdef"
+OPERATOR_KEY = b"fedcba9876543210fedcba9876543210"
+RUN = b"r" * protocol.RUN_NONCE_BYTES
+"""The run nonce of the coordinator under test (fixed, so frames can be made up front)."""
 
 
 @pytest.fixture
@@ -29,14 +32,19 @@ def coordinator(tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     secret.chmod(0o600)
+    operator_key = tmp_path / "operator.key"
+    operator_key.write_bytes(OPERATOR_KEY)
+    operator_key.chmod(0o600)
     c = Coordinator(
         CoordinatorConfig(
             secret_file=str(secret),
+            operator_key_file=str(operator_key),
             run_dir=str(tmp_path),
             host_store=False,
             membership=MembershipConfig(world_size=2, ranks_per_node=1),
         )
     )
+    c.codec.run = RUN
     yield c
     c.close()
 
@@ -68,6 +76,7 @@ def _payload(**over) -> bytes:
         "term": 0,
         "type": "hello",
         "job": "p2p-job",
+        "run": RUN,
         "sender": "rank/0",
         "gen": 0,
         "seq": 1,
@@ -178,13 +187,16 @@ def test_it_keeps_serving_real_sockets_after_garbage(coordinator):
         if len(frames) > 1:
             bad.send_multipart(frames[1:])
     codec = protocol.Codec(SECRET, "p2p-job", "rank/0")
+    codec.run = RUN
     bad.send_multipart(
         codec.encode(protocol.HELLO, {"role": "rank", "node": 0, "pid": 1, "rank": 0})
     )
     coordinator.serve(stop_after_s=1.0)
     assert "rank/0" in coordinator.membership.procs, "the valid hello still got through"
     assert bad.poll(2000), "and was answered"
-    reply = protocol.Codec(SECRET, "p2p-job", "x").decode(bad.recv_multipart())
+    reader = protocol.Codec(SECRET, "p2p-job", "x")
+    reader.run = RUN
+    reply = reader.decode(bad.recv_multipart())
     assert reply.type == protocol.WELCOME
     bad.close(linger=0)
     ctx.term()
@@ -195,7 +207,7 @@ WRONG_VALUES = [["x"], {"k": 1}, "1", 1.5, True, None, 2**63]
 
 
 def _fields():
-    for name in ("v", "type", "job", "sender", "gen", "seq", "epoch", "term", "body"):
+    for name in ("v", "type", "job", "run", "sender", "gen", "seq", "epoch", "term", "body"):
         yield "envelope", name
     for name in HELLO_BODY:
         yield "body", name
@@ -217,7 +229,9 @@ def test_a_wrong_type_at_any_field_of_a_signed_hello_is_dropped(coordinator, whe
 
 
 def _message(codec: protocol.Codec, type_: str, body: dict) -> list[bytes]:
-    return [codec.sender.encode(), *codec.encode(type_, body)]
+    codec.run = RUN  # a process that has learned this run's nonce
+    key = OPERATOR_KEY if codec.sender.startswith("operator/") else None
+    return [codec.sender.encode(), *codec.encode(type_, body, key=key)]
 
 
 def _join_agent(c: Coordinator, node: int) -> protocol.Codec:

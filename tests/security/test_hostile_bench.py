@@ -28,4 +28,6 @@ def test_hostile_bench_small(tmp_path, capsys):
     assert "agent/0" in r["members"], "the legitimate agent is a member"
     assert 0 < r["dropped"] <= r["tried_total"]
     assert r["squatted_identity_answered"] and r["legit_lost_events"] == 0
+    assert r["squatter_messages_received"] == 0 and r["resizes_without_operator_key"] == 0
+    assert r["tried_by_kind"]["a previous run's hello and scale"] == 20
     assert (tmp_path / "report.json").exists() and (tmp_path / "report.md").exists()

@@ -59,8 +59,13 @@ def _dealer(ctx, identity: bytes, port: int) -> zmq.Socket:
     return s
 
 
-def _hello(ctx, port: int, identity: str = "agent/1") -> tuple[zmq.Socket, protocol.Codec]:
+def _hello(
+    ctx, port: int, run: bytes, identity: str = "agent/1"
+) -> tuple[zmq.Socket, protocol.Codec]:
+    """A hello from a process that already learned the run nonce (the challenge that teaches
+    it is tested in test_sessions.py, with the coordinator serving in a thread)."""
     codec = protocol.Codec(SECRET, "p2p-job", identity)
+    codec.run = run
     s = _dealer(ctx, identity.encode(), port)
     s.send_multipart(
         codec.encode(protocol.HELLO, {"role": "agent", "node": 1, "pid": 5, "world_size": 2})
@@ -68,8 +73,10 @@ def _hello(ctx, port: int, identity: str = "agent/1") -> tuple[zmq.Socket, proto
     return s, codec
 
 
-def _welcomed(sock: zmq.Socket, timeout_s: float = 10.0) -> bool:
-    reader = protocol.Codec(SECRET, "p2p-job", "reader")
+def _welcomed(sock: zmq.Socket, codec: protocol.Codec, timeout_s: float = 10.0) -> bool:
+    """Whether the hello ``codec`` sent on ``sock`` is welcomed (its drain answers the
+    coordinator's challenge with the run nonce, as every process's does)."""
+    reader = codec
     deadline = time.monotonic() + timeout_s
     while sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
         if any(m.type == protocol.WELCOME for m in reader.drain(sock)):
@@ -83,9 +90,9 @@ def test_an_oversized_frame_is_refused_before_it_is_buffered(coordinator, ctx):
     coordinator.serve(stop_after_s=0.5)
     # libzmq closed the connection at the frame header: the coordinator never received it.
     assert coordinator.dropped == 0
-    real, _ = _hello(ctx, coordinator.port)
+    real, real_codec = _hello(ctx, coordinator.port, coordinator.codec.run)
     coordinator.serve(stop_after_s=1.0)
-    assert _welcomed(real), "the coordinator still serves a real peer"
+    assert _welcomed(real, real_codec), "the coordinator still serves a real peer"
 
 
 def test_half_sent_frames_and_raw_garbage_do_not_wedge_the_coordinator(coordinator, ctx):
@@ -106,9 +113,9 @@ def test_half_sent_frames_and_raw_garbage_do_not_wedge_the_coordinator(coordinat
         raws.append(raw)
     try:
         coordinator.serve(stop_after_s=0.5)
-        real, _ = _hello(ctx, coordinator.port)
+        real, real_codec = _hello(ctx, coordinator.port, coordinator.codec.run)
         coordinator.serve(stop_after_s=1.0)
-        assert _welcomed(real)
+        assert _welcomed(real, real_codec)
     finally:
         for raw in raws:
             raw.close()
@@ -119,10 +126,10 @@ def test_a_squatted_identity_never_locks_out_the_real_peer(coordinator, ctx):
     squatter.send_multipart([b"no", b"secret"])
     coordinator.serve(stop_after_s=0.5)
     assert coordinator.dropped == 1, "the squatter's connection holds agent/1"
-    real, _ = _hello(ctx, coordinator.port)
+    real, real_codec = _hello(ctx, coordinator.port, coordinator.codec.run)
     coordinator.serve(stop_after_s=1.0)
     assert "agent/1" in coordinator.membership.procs
-    assert _welcomed(real), "the real agent took its identity over and was answered"
+    assert _welcomed(real, real_codec), "the real agent took its identity over and was answered"
 
 
 def test_a_flood_of_garbage_sockets_leaves_real_peers_served(coordinator, ctx):
@@ -130,13 +137,13 @@ def test_a_flood_of_garbage_sockets_leaves_real_peers_served(coordinator, ctx):
     for s in flood:
         for _ in range(20):
             s.send_multipart([os.urandom(32), os.urandom(64)], zmq.NOBLOCK)
-    real, _ = _hello(ctx, coordinator.port)
+    real, real_codec = _hello(ctx, coordinator.port, coordinator.codec.run)
     deadline = time.monotonic() + 30
     while "agent/1" not in coordinator.membership.procs and time.monotonic() < deadline:
         coordinator.serve(stop_after_s=0.5)
     assert coordinator.membership.procs.keys() == {"agent/1"}, "only the real hello changed state"
     assert coordinator.dropped > 0
-    assert _welcomed(real)
+    assert _welcomed(real, real_codec)
 
 
 def test_a_ranks_client_survives_hostile_frames(tmp_path, secret_file, ctx):
@@ -230,9 +237,9 @@ def test_the_peer_server_answers_only_signed_in_range_requests(tmp_path, ctx):
 def test_idle_connections_are_closed_and_never_starve_a_new_agent(coordinator, ctx):
     idle = [socket.create_connection(("127.0.0.1", coordinator.port)) for _ in range(200)]
     try:
-        real, _ = _hello(ctx, coordinator.port)
+        real, real_codec = _hello(ctx, coordinator.port, coordinator.codec.run)
         coordinator.serve(stop_after_s=1.0)
-        assert _welcomed(real), "a new agent is served beside 200 idle connections"
+        assert _welcomed(real, real_codec), "a new agent is served beside 200 idle connections"
         # A connection that never completes its handshake is closed by the coordinator.
         idle[0].settimeout(protocol.HANDSHAKE_MS / 1000 * 6)
         try:
