@@ -43,10 +43,18 @@ from p2p_state.memory import (
     Checksum,
     MemoryKind,
     check_fits,
+    pinned_footprint,
     resolve_kind,
 )
 from p2p_state.placement import Placement, place
-from p2p_state.snapshot import HEADER_WORDS, Copy, DoubleBuffer, Slot, SnapshotHeader
+from p2p_state.snapshot import (
+    HEADER_WORDS,
+    Copy,
+    DoubleBuffer,
+    HostStaging,
+    Slot,
+    SnapshotHeader,
+)
 from p2p_state.state import TrainingState
 from p2p_state.transfer import Recv, Send, exchange, gather_bytes
 
@@ -97,6 +105,30 @@ class _Round:
     slot: Slot
     copied: Any  # torch.cuda.Event on a GPU, None on the host
     copy_s: float
+
+
+class CudaStreams:
+    """The stream and event calls the replicator makes on ``device`` (tests pass stand-ins that
+    record the order of what is enqueued where)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self) -> Any:
+        """A side stream for snapshot copies."""
+        return torch.cuda.Stream(self.device)
+
+    def current(self) -> Any:
+        """The calling thread's current stream (the training stream)."""
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current inside the ``with``."""
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        """An event to record after a copy."""
+        return torch.cuda.Event()
 
 
 def state_device(state: TrainingState) -> torch.device:
@@ -196,14 +228,20 @@ class Replicator:
 
         self.holders = self.placement.holders[self.rank]
         self.owners = self.placement.held_by[self.rank]
-        own_bytes = 2 * state.layout.total_bytes
-        replica_bytes = 2 * sum(self.layouts[o].total_bytes for o in self.owners)
+        # Pinned buffers take what the caching host allocator rounds them up to.
+        size = pinned_footprint if self.kind is MemoryKind.PINNED else int
+        own_bytes = 2 * size(state.layout.total_bytes)
+        replica_bytes = 2 * sum(size(self.layouts[o].total_bytes) for o in self.owners)
+        needed = {self.kind: own_bytes + replica_bytes}
+        if self.kind is MemoryKind.GPU:
+            needed[MemoryKind.PINNED] = pinned_footprint(state.staging_bytes())
         check_fits(
-            {self.kind: own_bytes + replica_bytes},
+            needed,
             self.device,
             self.config.max_memory_fraction,
             f"rank {self.rank}'s snapshots (2 x {state.layout.total_bytes / 2**20:.1f} MiB) and "
             f"replicas for ranks {list(self.owners)}",
+            self.config.step_peak_bytes,
         )
         logger.info(
             "rank %d holds %.1f MiB of own snapshots and %.1f MiB of replicas (ranks %s) in %s "
@@ -240,26 +278,38 @@ class Replicator:
         self._queue: queue.Queue[_Round | None] = queue.Queue()
         self.stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
         """Timings of the most recent rounds, oldest first."""
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._last_copy: Any = None
-        self._fence_handle = None
-        if self._stream is not None and state.optimizer is not None:
-            # The next optimizer step must not overwrite parameters the side stream still copies.
-            self._fence_handle = state.optimizer.register_step_pre_hook(self._fence)
         self._left_behind = False
         """The worker outlived a stop's deadline once (blocked where the abort did not reach);
         later stops do not wait for it again."""
-        self._forward_fence_handle = None
-        if self._stream is not None:
-            # Nor the next forward overwrite buffers it mutates (BatchNorm statistics, FP8
-            # amax/scale), which are snapshotted too: its kernels wait for the copy as well.
-            self._forward_fence_handle = state.model.register_forward_pre_hook(
-                self._fence, prepend=True
-            )
+        self._use_streams(CudaStreams(self.device) if self.device.type == "cuda" else None)
         self._worker = threading.Thread(
             target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
         )
         self._worker.start()
+
+    def _use_streams(self, cuda: CudaStreams | None) -> None:
+        """Snapshot on a side stream of ``cuda`` (``None``: on the host, synchronously)."""
+        self._cuda = cuda
+        self._stream = cuda.new_stream() if cuda is not None else None
+        self._last_copy: Any = None
+        self._fence_handle = self._forward_fence_handle = None
+        self._staging: HostStaging | None = None
+        if cuda is None:
+            return
+        if self.kind is MemoryKind.GPU:
+            # Pinned now, at start-up: the host-resident pieces of every snapshot pass here.
+            self._staging = HostStaging(
+                self.device, self.state.staging_bytes(), new_event=cuda.new_event
+            )
+        if self.state.optimizer is not None:
+            # The next optimizer step must not overwrite parameters the side stream still copies.
+            self._fence_handle = self.state.optimizer.register_step_pre_hook(self._fence)
+        # Nor the next forward overwrite buffers it mutates (BatchNorm statistics, FP8
+        # amax/scale), which are snapshotted too: its kernels wait for the copy as well. First
+        # among the model's pre-hooks, so FSDP's unshard streams are ordered after the wait.
+        self._forward_fence_handle = self.state.model.register_forward_pre_hook(
+            self._fence, prepend=True
+        )
 
     @staticmethod
     def backend_for(config: ReplicationConfig, device: torch.device) -> tuple[MemoryKind, str]:
@@ -293,11 +343,13 @@ class Replicator:
         self._wait_idle()
         slot = self.own.writable()
         t0 = time.perf_counter()
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self.state.capture(slot.buffer, step, extras)
-                copied = torch.cuda.Event()
+        if self._cuda is not None:
+            # Enqueued only: the side stream starts once the optimizer step is done, and no
+            # copy here waits for it (the host-resident pieces go through the pinned staging).
+            self._stream.wait_stream(self._cuda.current())
+            with self._cuda.use(self._stream):
+                self.state.capture(slot.buffer, step, extras, self._staging)
+                copied = self._cuda.new_event()
                 copied.record(self._stream)
             self._last_copy = copied
         else:
@@ -344,7 +396,7 @@ class Replicator:
 
     def _fence(self, *_: Any) -> None:
         if self._last_copy is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+            self._cuda.current().wait_event(self._last_copy)
 
     # -- worker thread -------------------------------------------------------------------------
 
@@ -368,11 +420,7 @@ class Replicator:
                     self._idle.notify_all()
 
     def _run_round(self, job: _Round) -> None:
-        ctx = (
-            torch.cuda.stream(self._stream)
-            if self._stream is not None
-            else contextlib.nullcontext()
-        )
+        ctx = self._cuda.use(self._stream) if self._cuda is not None else contextlib.nullcontext()
         with ctx:
             if job.copied is not None:
                 job.copied.synchronize()
