@@ -175,6 +175,35 @@ def check_fits(
             raise InsufficientMemoryError(refusal)
 
 
+def recheck_after_step(
+    held: int, device: torch.device, max_fraction: float, what: str, step_peak_bytes: int = 0
+) -> str | None:
+    """:func:`check_fits`'s GPU verdict again once a training step has run, or ``None``.
+
+    Before the first step the allocator has not seen the step's peak; afterwards it has, and
+    ``held`` bytes of snapshots and replicas are allocated already (so they count as part of
+    the budget they were checked against). One query of the allocator, no synchronisation.
+    """
+    free = available_bytes(MemoryKind.GPU, device)
+    stats = torch.cuda.memory_stats(device)
+    budget, step_peak = gpu_budget(
+        free,
+        reserved=stats.get("reserved_bytes.all.current", 0),
+        allocated=stats.get("allocated_bytes.all.current", 0),
+        peak=stats.get("allocated_bytes.all.peak", 0),
+        declared_peak=step_peak_bytes,
+    )
+    return memory_verdict(
+        what,
+        held,
+        MemoryKind.GPU,
+        gpu_budget=budget + held,
+        step_peak=step_peak,
+        host_free=available_bytes(MemoryKind.HOST, device),
+        max_fraction=max_fraction,
+    )
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 

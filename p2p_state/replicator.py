@@ -44,6 +44,7 @@ from p2p_state.memory import (
     MemoryKind,
     check_fits,
     pinned_footprint,
+    recheck_after_step,
     resolve_kind,
 )
 from p2p_state.placement import Placement, place
@@ -265,6 +266,7 @@ class Replicator:
             for o in self.owners
         }
         self.memory_bytes = {self.kind.value: own_bytes + replica_bytes}
+        self._snapshots = 0
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -358,7 +360,25 @@ class Replicator:
         with self._lock:
             self._in_flight += 1
         self._queue.put(_Round(step, slot, copied, time.perf_counter() - t0))
+        self._snapshots += 1
+        if self._snapshots == 2 and self.kind is MemoryKind.GPU:
+            self._recheck_memory()
         return True
+
+    def _recheck_memory(self) -> None:
+        """After the first training step the allocator knows its peak: check the GPU budget
+        again with it, and say so with the numbers and the fix if it is exceeded (the step ran,
+        but a later, larger one may not)."""
+        held = self.memory_bytes.get(MemoryKind.GPU.value, 0)
+        verdict = recheck_after_step(
+            held,
+            self.device,
+            self.config.max_memory_fraction,
+            f"rank {self.rank}'s snapshots and replicas",
+            self.config.step_peak_bytes,
+        )
+        if verdict is not None:
+            logger.warning("after the first training step: %s", verdict)
 
     def due(self, step: int) -> bool:
         """Whether :meth:`replicate` snapshots ``step`` (one step in ``interval_steps``)."""

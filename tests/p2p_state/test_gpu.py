@@ -88,3 +88,15 @@ def test_the_next_forward_waits_for_the_snapshot_of_the_buffers_it_mutates():
     r = stream_race(torch.device("cuda", torch.cuda.current_device()))
     assert r["fenced_equal"] is True
     assert r["unfenced_differs"] is True  # the check can see the race it guards against
+
+
+def test_after_a_step_the_gpu_budget_is_checked_with_the_step_s_measured_peak():
+    from p2p_state.memory import recheck_after_step
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Linear(1024, 1024).to(device)
+    model(torch.randn(4096, 1024, device=device)).sum().backward()  # a transient peak
+    assert recheck_after_step(1 << 20, device, 0.8, "1 MiB of snapshots") is None
+    total = torch.cuda.get_device_properties(device).total_memory
+    verdict = recheck_after_step(total, device, 0.8, "a device's worth of snapshots")
+    assert verdict is not None and "kept for the training step's peak" in verdict

@@ -96,7 +96,7 @@ def _replicator(state: TrainingState, cuda: StandInCuda) -> Replicator:
     rep.kind, rep.device = MemoryKind.HOST, torch.device("cpu")
     rep._lock = threading.Lock()
     rep._idle = threading.Condition(rep._lock)
-    rep._in_flight, rep._failure, rep._queue = 0, None, queue.Queue()
+    rep._in_flight, rep._failure, rep._queue, rep._snapshots = 0, None, queue.Queue(), 0
     rep.own = DoubleBuffer(state.layout.total_bytes, MemoryKind.HOST, rep.device)
     rep._use_streams(cuda)
     return rep
@@ -232,3 +232,30 @@ def test_host_resident_tensors_of_a_device_state_are_staged_not_copied_one_by_on
     # Their room is reserved ahead: every 0-dim entry, the RNG states and the blob region.
     rng = sum(e.nbytes for e in state.layout.entries if e.name.startswith("rng/"))
     assert state.staging_bytes() == state.layout.blob_capacity + rng + 2 * 4
+
+
+def test_the_staging_reserved_at_start_up_holds_a_snapshot_s_host_pieces():
+    # A GPU state (meta stands in) with AdamW's step counters on the host: the staging made
+    # with the replicator does not have to grow (no pinning) when snapshots are taken.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to("meta")
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        opt.state[p] = {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+    state = TrainingState(model, opt)
+    log = Log()
+    staging = HostStaging(
+        torch.device("meta"),
+        state.staging_bytes(),
+        pin=False,
+        new_event=lambda: StandInEvent(log, "h2d"),
+    )
+    reserved = staging.capacity
+    buffer = torch.empty(state.layout.total_bytes, dtype=torch.uint8, device="meta")
+    for step in (1, 2):
+        state.capture(buffer, step, {"position": list(range(100))}, staging)
+    assert staging.capacity == reserved
+    assert [e[0] for e in log] == ["record", "synchronize", "record"]  # one staged copy each
