@@ -215,8 +215,9 @@ def _state_lines(report: dict[str, Any]) -> list[str]:
     peak = report.get("rebuild_peak")
     if peak:
         lines.append(
-            f"  rebuild peak     {peak['released_gib']:.2f} GiB frames released "
-            f"({peak['released_vs_plain']:.2f}x a plain step), {peak['kept_gib']:.2f} GiB kept "
-            f"({peak['kept_vs_plain']:.2f}x)"
+            f"  rebuild peak     {peak['released_gib']:.2f} GiB as the engine does it "
+            f"({peak['released_vs_plain']:.2f}x a plain step); failed frames kept "
+            f"{peak['kept_gib']:.2f} GiB ({peak['kept_vs_plain']:.2f}x); old model not "
+            f"collected {peak['uncollected_gib']:.2f} GiB ({peak['uncollected_vs_plain']:.2f}x)"
         )
     return lines

@@ -241,9 +241,10 @@ def memory_verdict(
     if gpu_fits if kind is MemoryKind.GPU else host_fits:
         return None
     if kind is MemoryKind.GPU:
-        assert gpu_budget is not None
         free = (
             f"{_gib(gpu_budget)} is free after {_gib(step_peak)} kept for the training step's peak"
+            if gpu_budget is not None
+            else "0 GiB is free (the training state is not on a GPU)"
         )
     else:
         free = f"{_gib(host_free)} of host memory is available"

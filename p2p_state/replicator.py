@@ -197,6 +197,8 @@ class Replicator:
         recycle: BufferPool | None = None,
     ) -> None:
         self.state = state
+        self.layout = state.layout
+        """This rank's layout (kept when :meth:`abandon` lets go of the state)."""
         self.config = config or ReplicationConfig()
         self.generation = generation
         self._on_replicated = on_replicated
@@ -444,7 +446,7 @@ class Replicator:
         with ctx:
             if job.copied is not None:
                 job.copied.synchronize()
-            layout = self.state.layout
+            layout = self.layout
             own = job.slot.buffer[: layout.total_bytes]
             chunk = self.config.chunk_bytes
             with self._lock:
@@ -630,6 +632,10 @@ class Replicator:
         The caller has aborted the replication group, so a round in flight fails promptly;
         nothing incomplete is ever published. The group is left to its owner.
 
+        The live state is let go of: the copies are read without it, and the model and
+        optimizer it points at (the old generation's) must not stay allocated while the next
+        generation's are built.
+
         Returns:
             Whether the worker stopped within ``timeout_s`` (if not, it is left as a daemon;
             it only ever writes slots that are not published).
@@ -637,7 +643,10 @@ class Replicator:
         with self._lock:
             if self._failure is None:
                 self._failure = ReplicationError("replication was abandoned after a fault")
-        return self._stop_worker(timeout_s)
+        stopped = self._stop_worker(timeout_s)
+        if hasattr(self, "state"):
+            del self.state  # replicate() refuses from now on (the failure above)
+        return stopped
 
     def give_back(self, pool: BufferPool, keep_step: int | None = None) -> int:
         """Move the buffers of every copy but those of ``keep_step`` (all, with ``None``) into

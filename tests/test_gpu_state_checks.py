@@ -71,6 +71,8 @@ def test_report_lines_and_verdict():
             "released_vs_plain": 1.0,
             "kept_gib": 3.0,
             "kept_vs_plain": 1.5,
+            "uncollected_gib": 4.0,
+            "uncollected_vs_plain": 2.0,
         },
     }
     lines = gpu_check._state_lines(report)
@@ -78,7 +80,10 @@ def test_report_lines_and_verdict():
     assert lines[1] == "  restore AdamW capturable FAILED RuntimeError: x"
     assert "0.21 ms per 40.0 ms step (0.005x)" in lines[2] and "30.00 ms (0.750x)" in lines[2]
     assert "without the fence it is overwritten: True" in lines[3]
-    assert "2.00 GiB frames released (1.00x a plain step), 3.00 GiB kept (1.50x)" in lines[4]
+    assert lines[4] == (
+        "  rebuild peak     2.00 GiB as the engine does it (1.00x a plain step); failed frames "
+        "kept 3.00 GiB (1.50x); old model not collected 4.00 GiB (2.00x)"
+    )
     assert gpu_check.passed(report) is False
     report["bitwise_restore"].pop()
     assert gpu_check.passed(report) is True

@@ -77,3 +77,8 @@ def test_pinned_buffers_are_counted_at_the_host_allocator_s_size() -> None:
         8192,
         4 * 2**30,
     ]
+
+
+def test_gpu_memory_for_a_state_not_on_a_gpu_is_refused_in_one_line() -> None:
+    refusal = _verdict(MemoryKind.GPU, 1, gpu_budget=None)
+    assert refusal is not None and "the training state is not on a GPU" in refusal
