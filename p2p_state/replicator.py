@@ -108,6 +108,25 @@ class _Round:
     copy_s: float
 
 
+def serialized_launch_warning(backend: str, env: Mapping[str, str]) -> str | None:
+    """Why NCCL replication beside FSDP is unsafe under ``env``, or ``None``.
+
+    Replication's NCCL operations are posted by the worker thread, in an order relative to
+    FSDP's collectives that differs between ranks. With one hardware queue per device
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``) a rank's kernels run in launch order, so two ranks
+    that launched the two communicators' kernels in different orders can wait on each other
+    for ever.
+    """
+    if backend != "nccl" or env.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return None
+    return (
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises every stream of a GPU, and replication over "
+        "NCCL posts its transfers beside FSDP's collectives in an order that differs between "
+        "ranks: the two can deadlock; use ReplicationConfig.memory='pinned' (replication over "
+        "gloo, no second NCCL communicator) or unset CUDA_DEVICE_MAX_CONNECTIONS"
+    )
+
+
 class CudaStreams:
     """The stream and event calls the replicator makes on ``device`` (tests pass stand-ins that
     record the order of what is enqueued where)."""
@@ -217,6 +236,9 @@ class Replicator:
         for warning in self.placement.warnings():
             logger.warning("replica placement: %s", warning)
 
+        warning = serialized_launch_warning(self.backend, os.environ)
+        if warning is not None:
+            logger.warning("rank %d: %s", dist.get_rank(), warning)
         self._owns_group = group is None
         self.group = group or dist.new_group(
             backend=self.backend, timeout=timedelta(seconds=self.config.timeout_s)

@@ -259,3 +259,14 @@ def test_the_staging_reserved_at_start_up_holds_a_snapshot_s_host_pieces():
         state.capture(buffer, step, {"position": list(range(100))}, staging)
     assert staging.capacity == reserved
     assert [e[0] for e in log] == ["record", "synchronize", "record"]  # one staged copy each
+
+
+def test_nccl_replication_under_serialised_launches_is_warned_about_with_the_fix():
+    from p2p_state.replicator import serialized_launch_warning
+
+    warning = serialized_launch_warning("nccl", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert warning is not None and "deadlock" in warning
+    assert "ReplicationConfig.memory='pinned'" in warning
+    assert serialized_launch_warning("gloo", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None
+    assert serialized_launch_warning("nccl", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
+    assert serialized_launch_warning("nccl", {}) is None
