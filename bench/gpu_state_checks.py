@@ -156,10 +156,10 @@ def replicate_blocking(
         try:
             staging = rep._staging
             ways = [("staged", staging), ("unstaged", None)] if staging else [("host", None)]
-            for label, use in ways:
+            for way, (label, use) in enumerate(ways):
                 rep._staging = use
                 blocked, whole = [], []
-                for step in range(1, steps + 1):
+                for step in range(way * steps + 1, (way + 1) * steps + 1):
                     rep.flush()
                     t0 = time.perf_counter()
                     _train(model, opt, step, device)
