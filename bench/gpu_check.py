@@ -4,8 +4,11 @@ What it runs, each against a reference measured in the same run: the GPU unit te
 (``pytest -m gpu``); pinned device-to-host and host-to-device copies against a plain
 device-to-device ``copy_`` of the same size; the snapshot checksum on the GPU (the cupy kernel,
 or torch ops where cupy is missing) and on the host against the copy bandwidth, and whether both
-give the same value; pinned-memory allocation time against size. On a machine without CUDA it
-says so in one line and exits 0.
+give the same value; pinned-memory allocation time against size; and, on a one-rank FSDP2 mesh
+over NCCL (:mod:`bench.gpu_state_checks`), bitwise capture and restore with the default, fused
+and capturable AdamW, the host time ``replicate()`` takes against a step, the stream race with
+a forward that mutates buffers, and the peak memory of a rebuild after an exception. On a
+machine without CUDA it says so in one line and exits 0.
 
     p2p-bench gpu-check --mib 1024 --out runs/gpu-check
 """
@@ -31,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mib", type=int, default=1024, help="bytes per copy and checksum, MiB")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the GPU unit tests")
+    p.add_argument(
+        "--model",
+        default="example",
+        choices=["tiny", "small", "example"],
+        help="example model preset for the replicate() and rebuild checks",
+    )
     p.add_argument("--out", default="runs/gpu-check", help="report folder")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -56,16 +65,33 @@ def run(args: argparse.Namespace) -> int:
     report["copies"] = _copies(args.mib << 20, args.repeats)
     report["checksum"] = _checksums(args.mib << 20, args.repeats)
     report["pinned_alloc"] = _pinned_alloc()
+    report.update(_state_checks(torch.device("cuda", torch.cuda.current_device()), args.model))
     report["not_measured"] = [
-        "host time blocked in replicate() per step",
-        "bitwise FSDP2 capture/restore on a 1-rank NCCL mesh (fused, capturable, default AdamW)",
-        "peak memory of a rebuild after an exception",
-        "stream race with buffers mutated in the forward",
         "replication over NCCL against raw send/recv, and kill-and-recover with 2+ GPUs",
     ]
     _write(report, Path(args.out))
     print(json.dumps(report) if args.json else _table(report))
-    return 0 if report.get("unit_tests", {}).get("passed", True) else 1
+    return 0 if passed(report) else 1
+
+
+def passed(report: dict[str, Any]) -> bool:
+    """Whether every check with a verdict passed (timings have none)."""
+    return (
+        report.get("unit_tests", {}).get("passed", True)
+        and all(r["passed"] for r in report.get("bitwise_restore", []))
+        and report.get("stream_race", {}).get("passed", True)
+    )
+
+
+def _state_checks(device: torch.device, preset: str) -> dict[str, Any]:
+    from bench import gpu_state_checks as checks
+
+    return {
+        "bitwise_restore": [checks.bitwise_restore(device, v) for v in checks.ADAMW_VARIANTS],
+        "replicate_blocking": checks.replicate_blocking(device, preset),
+        "stream_race": checks.stream_race(device),
+        "rebuild_peak": checks.rebuild_peak(device, preset),
+    }
 
 
 def _unit_tests() -> dict[str, Any]:
@@ -157,6 +183,7 @@ def _table(report: dict[str, Any]) -> str:
         f"  checksum on host {k['host_gbps']:.1f} GB/s",
     ]
     lines += [f"  pin {a['mib']} MiB     {a['alloc_ms']:.1f} ms" for a in report["pinned_alloc"]]
+    lines += _state_lines(report)
     lines.append("  not measured yet: " + "; ".join(report["not_measured"]))
     return "\n".join(lines)
 
@@ -165,3 +192,32 @@ def _write(report: dict[str, Any], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
+
+
+def _state_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in report.get("bitwise_restore", []):
+        verdict = "bitwise" if r["passed"] else f"FAILED {r.get('error') or r}"
+        lines.append(f"  restore AdamW {r['variant']:<10} {verdict}")
+    b = report.get("replicate_blocking")
+    if b:
+        lines.append(
+            f"  replicate() host {b['staged_blocked_ms']:.2f} ms per {b['staged_step_ms']:.1f} ms "
+            f"step ({b['staged_vs_step']:.3f}x); copying host pieces one by one: "
+            f"{b['unstaged_blocked_ms']:.2f} ms ({b['unstaged_vs_step']:.3f}x)"
+        )
+    race = report.get("stream_race")
+    if race:
+        lines.append(
+            f"  stream race      fenced snapshot intact: {race['fenced_equal']}; "
+            f"without the fence it is overwritten: {race.get('unfenced_differs')}"
+        )
+    peak = report.get("rebuild_peak")
+    if peak:
+        lines.append(
+            f"  rebuild peak     {peak['released_gib']:.2f} GiB as the engine does it "
+            f"({peak['released_vs_plain']:.2f}x a plain step); failed frames kept "
+            f"{peak['kept_gib']:.2f} GiB ({peak['kept_vs_plain']:.2f}x); old model not "
+            f"collected {peak['uncollected_gib']:.2f} GiB ({peak['uncollected_vs_plain']:.2f}x)"
+        )
+    return lines

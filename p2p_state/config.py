@@ -32,9 +32,19 @@ class ReplicationConfig:
     """Checksum every replica as it arrives (costs one pass over the bytes per step). Replicas
     are always verified before they are restored from."""
     max_memory_fraction: float = 0.8
-    """Refuse to start if snapshots and replicas need more than this share of the free memory."""
+    """Refuse to start if snapshots and replicas need more than this share of the free memory
+    (on a GPU: of what is free beside the training step's peak)."""
+    step_peak_bytes: int = 0
+    """GPU memory one training step needs above what stays allocated between steps, when
+    measured beforehand (``torch.cuda.max_memory_allocated()`` after a trial step, less
+    ``torch.cuda.memory_allocated()`` before it). The memory check keeps the larger of this and
+    the allocator's own record free; before the first step the allocator has none."""
 
     def __post_init__(self) -> None:
+        if self.step_peak_bytes < 0:
+            raise ValueError(
+                f"ReplicationConfig.step_peak_bytes must be >= 0, got {self.step_peak_bytes}"
+            )
         if self.k < 1:
             raise ValueError(f"ReplicationConfig.k must be >= 1, got {self.k}")
         if self.interval_steps < 1:

@@ -131,47 +131,175 @@ def available_bytes(kind: MemoryKind, device: torch.device) -> int:
 
 
 def check_fits(
-    needed: dict[MemoryKind, int], device: torch.device, max_fraction: float, what: str
+    needed: dict[MemoryKind, int],
+    device: torch.device,
+    max_fraction: float,
+    what: str,
+    step_peak_bytes: int = 0,
 ) -> None:
     """Refuse, with a message naming the numbers and the fix, what would not fit.
 
     Args:
-        needed: Bytes to allocate per kind of memory.
+        needed: Bytes to allocate per kind of memory (pinned: as the allocator rounds them,
+            see :func:`pinned_footprint`).
         device: The training device (for GPU memory).
         max_fraction: Largest share of the currently free memory the engine may take.
         what: Description of the allocation for the message.
+        step_peak_bytes: The training step's transient GPU memory when measured beforehand
+            (``ReplicationConfig.step_peak_bytes``); the larger of it and the allocator's
+            record is kept free.
     """
+    host_free = available_bytes(MemoryKind.HOST, device)
+    budget, step_peak = None, 0
+    if device.type == "cuda":
+        free = available_bytes(MemoryKind.GPU, device)
+        stats = torch.cuda.memory_stats(device)
+        budget, step_peak = gpu_budget(
+            free,
+            reserved=stats.get("reserved_bytes.all.current", 0),
+            allocated=stats.get("allocated_bytes.all.current", 0),
+            peak=stats.get("allocated_bytes.all.peak", 0),
+            declared_peak=step_peak_bytes,
+        )
     for kind, nbytes in needed.items():
-        free = available_bytes(kind, device)
-        step_note = ""
-        if kind is MemoryKind.GPU:
-            stats = torch.cuda.memory_stats(device)
-            free, step_peak = gpu_budget(
-                free,
-                reserved=stats.get("reserved_bytes.all.current", 0),
-                allocated=stats.get("allocated_bytes.all.current", 0),
-                peak=stats.get("allocated_bytes.all.peak", 0),
-            )
-            step_note = f" after {step_peak / 2**30:.2f} GiB kept for the training step's peak"
-        if nbytes > max_fraction * free:
-            raise InsufficientMemoryError(
-                f"{what} needs {nbytes / 2**30:.2f} GiB of {kind.value} memory but only "
-                f"{free / 2**30:.2f} GiB is free{step_note} and "
-                f"ReplicationConfig.max_memory_fraction is {max_fraction}; lower the replication "
-                "factor k, use another memory kind, or shard over more ranks"
-            )
+        refusal = memory_verdict(
+            what,
+            nbytes,
+            kind,
+            gpu_budget=budget,
+            step_peak=step_peak,
+            host_free=host_free,
+            max_fraction=max_fraction,
+        )
+        if refusal is not None:
+            raise InsufficientMemoryError(refusal)
 
 
-def gpu_budget(free: int, *, reserved: int, allocated: int, peak: int) -> tuple[int, int]:
+def recheck_after_step(
+    held: int, device: torch.device, max_fraction: float, what: str, step_peak_bytes: int = 0
+) -> str | None:
+    """:func:`check_fits`'s GPU verdict again once a training step has run, or ``None``.
+
+    Before the first step the allocator has not seen the step's peak; afterwards it has, and
+    ``held`` bytes of snapshots and replicas are allocated already (so they count as part of
+    the budget they were checked against). One query of the allocator, no synchronisation.
+    """
+    free = available_bytes(MemoryKind.GPU, device)
+    stats = torch.cuda.memory_stats(device)
+    budget, step_peak = gpu_budget(
+        free,
+        reserved=stats.get("reserved_bytes.all.current", 0),
+        allocated=stats.get("allocated_bytes.all.current", 0),
+        peak=stats.get("allocated_bytes.all.peak", 0),
+        declared_peak=step_peak_bytes,
+    )
+    return memory_verdict(
+        what,
+        held,
+        MemoryKind.GPU,
+        gpu_budget=budget + held,
+        step_peak=step_peak,
+        host_free=available_bytes(MemoryKind.HOST, device),
+        max_fraction=max_fraction,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_verdict(
+    what: str,
+    needed: int,
+    kind: MemoryKind,
+    *,
+    gpu_budget: int | None,
+    step_peak: int,
+    host_free: int,
+    max_fraction: float,
+) -> str | None:
+    """Whether ``needed`` bytes fit in ``kind``: ``None``, or the one-line refusal.
+
+    The decision between GPU and pinned memory, with the training step's peak in view: GPU
+    memory fits when ``needed`` is within ``max_fraction`` of the GPU budget (free memory and
+    the allocator's cache, less the step's transient peak, see :func:`gpu_budget`); pinned and
+    plain host memory when it is within ``max_fraction`` of the host's available memory. A
+    refusal names the sizes and the fix: the other kind where that one fits, else fewer copies
+    or more ranks.
+
+    Args:
+        what: Description of the allocation.
+        needed: Bytes needed.
+        kind: Where they are meant to live.
+        gpu_budget: GPU bytes the snapshots may use (``None``: no GPU).
+        step_peak: The training step's transient GPU peak kept out of ``gpu_budget``.
+        host_free: Available host memory.
+        max_fraction: Largest share of a budget the engine may take.
+    """
+    gpu_fits = gpu_budget is not None and needed <= max_fraction * gpu_budget
+    host_fits = needed <= max_fraction * host_free
+    if gpu_fits if kind is MemoryKind.GPU else host_fits:
+        return None
+    if kind is MemoryKind.GPU:
+        free = (
+            f"{_gib(gpu_budget)} is free after {_gib(step_peak)} kept for the training step's peak"
+            if gpu_budget is not None
+            else "0 GiB is free (the training state is not on a GPU)"
+        )
+    else:
+        free = f"{_gib(host_free)} of host memory is available"
+    line = (
+        f"{what} needs {_gib(needed)} of {kind.value} memory but only {free} and "
+        f"ReplicationConfig.max_memory_fraction is {max_fraction}"
+    )
+    if kind is MemoryKind.GPU and host_fits:
+        return (
+            f"{line}; use ReplicationConfig.memory='pinned' (host memory has "
+            f"{_gib(host_free)} available), lower the replication factor k, or shard over more "
+            "ranks"
+        )
+    if kind is not MemoryKind.GPU and gpu_fits:
+        assert gpu_budget is not None
+        return (
+            f"{line}; use ReplicationConfig.memory='gpu' ({_gib(gpu_budget)} of GPU memory is "
+            "free beside the training step), lower the replication factor k, or shard over "
+            "more ranks"
+        )
+    other = (
+        f"pinned host memory has {_gib(host_free)} available"
+        if kind is MemoryKind.GPU
+        else (
+            f"GPU memory has {_gib(gpu_budget)} beside the training step's {_gib(step_peak)} peak"
+            if gpu_budget is not None
+            else "there is no GPU"
+        )
+    )
+    return (
+        f"{line}, and {other}: neither holds it; lower the replication factor k or shard over "
+        "more ranks"
+    )
+
+
+def pinned_footprint(nbytes: int) -> int:
+    """Pinned bytes a buffer of ``nbytes`` takes: the caching host allocator rounds each
+    allocation up to a power of two."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
+
+
+def gpu_budget(
+    free: int, *, reserved: int, allocated: int, peak: int, declared_peak: int = 0
+) -> tuple[int, int]:
     """GPU memory the snapshots may use, and the step's transient peak kept out of it.
 
     Memory the caching allocator holds but has not handed out is usable too; what the training
     step needed above what is allocated now (its activations, gradients, unsharded parameters:
     the peak since start-up minus the current allocation) must stay free for the next step.
-    Before the first step the peak is not known yet and nothing is kept for it.
+    Before the first step the allocator has not seen the peak: ``declared_peak`` (measured
+    beforehand, e.g. ``torch.cuda.max_memory_allocated()`` after one step of a trial run, less
+    the memory allocated before it) is kept instead, the larger of the two where both exist.
 
     Returns:
         ``(budget_bytes, step_peak_bytes)``.
     """
-    step_peak = max(0, peak - allocated)
+    step_peak = max(0, peak - allocated, declared_peak)
     return max(0, free + max(0, reserved - allocated) - step_peak), step_peak

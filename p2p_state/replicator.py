@@ -43,10 +43,19 @@ from p2p_state.memory import (
     Checksum,
     MemoryKind,
     check_fits,
+    pinned_footprint,
+    recheck_after_step,
     resolve_kind,
 )
 from p2p_state.placement import Placement, place
-from p2p_state.snapshot import HEADER_WORDS, Copy, DoubleBuffer, Slot, SnapshotHeader
+from p2p_state.snapshot import (
+    HEADER_WORDS,
+    Copy,
+    DoubleBuffer,
+    HostStaging,
+    Slot,
+    SnapshotHeader,
+)
 from p2p_state.state import TrainingState
 from p2p_state.transfer import Recv, Send, exchange, gather_bytes
 
@@ -97,6 +106,49 @@ class _Round:
     slot: Slot
     copied: Any  # torch.cuda.Event on a GPU, None on the host
     copy_s: float
+
+
+def serialized_launch_warning(backend: str, env: Mapping[str, str]) -> str | None:
+    """Why NCCL replication beside FSDP is unsafe under ``env``, or ``None``.
+
+    Replication's NCCL operations are posted by the worker thread, in an order relative to
+    FSDP's collectives that differs between ranks. With one hardware queue per device
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``) a rank's kernels run in launch order, so two ranks
+    that launched the two communicators' kernels in different orders can wait on each other
+    for ever.
+    """
+    if backend != "nccl" or env.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return None
+    return (
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises every stream of a GPU, and replication over "
+        "NCCL posts its transfers beside FSDP's collectives in an order that differs between "
+        "ranks: the two can deadlock; use ReplicationConfig.memory='pinned' (replication over "
+        "gloo, no second NCCL communicator) or unset CUDA_DEVICE_MAX_CONNECTIONS"
+    )
+
+
+class CudaStreams:
+    """The stream and event calls the replicator makes on ``device`` (tests pass stand-ins that
+    record the order of what is enqueued where)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self) -> Any:
+        """A side stream for snapshot copies."""
+        return torch.cuda.Stream(self.device)
+
+    def current(self) -> Any:
+        """The calling thread's current stream (the training stream)."""
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current inside the ``with``."""
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        """An event to record after a copy."""
+        return torch.cuda.Event()
 
 
 def state_device(state: TrainingState) -> torch.device:
@@ -164,6 +216,8 @@ class Replicator:
         recycle: BufferPool | None = None,
     ) -> None:
         self.state = state
+        self.layout = state.layout
+        """This rank's layout (kept when :meth:`abandon` lets go of the state)."""
         self.config = config or ReplicationConfig()
         self.generation = generation
         self._on_replicated = on_replicated
@@ -182,6 +236,9 @@ class Replicator:
         for warning in self.placement.warnings():
             logger.warning("replica placement: %s", warning)
 
+        warning = serialized_launch_warning(self.backend, os.environ)
+        if warning is not None:
+            logger.warning("rank %d: %s", dist.get_rank(), warning)
         self._owns_group = group is None
         self.group = group or dist.new_group(
             backend=self.backend, timeout=timedelta(seconds=self.config.timeout_s)
@@ -196,14 +253,20 @@ class Replicator:
 
         self.holders = self.placement.holders[self.rank]
         self.owners = self.placement.held_by[self.rank]
-        own_bytes = 2 * state.layout.total_bytes
-        replica_bytes = 2 * sum(self.layouts[o].total_bytes for o in self.owners)
+        # Pinned buffers take what the caching host allocator rounds them up to.
+        size = pinned_footprint if self.kind is MemoryKind.PINNED else int
+        own_bytes = 2 * size(state.layout.total_bytes)
+        replica_bytes = 2 * sum(size(self.layouts[o].total_bytes) for o in self.owners)
+        needed = {self.kind: own_bytes + replica_bytes}
+        if self.kind is MemoryKind.GPU:
+            needed[MemoryKind.PINNED] = pinned_footprint(state.staging_bytes())
         check_fits(
-            {self.kind: own_bytes + replica_bytes},
+            needed,
             self.device,
             self.config.max_memory_fraction,
             f"rank {self.rank}'s snapshots (2 x {state.layout.total_bytes / 2**20:.1f} MiB) and "
             f"replicas for ranks {list(self.owners)}",
+            self.config.step_peak_bytes,
         )
         logger.info(
             "rank %d holds %.1f MiB of own snapshots and %.1f MiB of replicas (ranks %s) in %s "
@@ -227,6 +290,7 @@ class Replicator:
             for o in self.owners
         }
         self.memory_bytes = {self.kind.value: own_bytes + replica_bytes}
+        self._snapshots = 0
 
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -240,26 +304,38 @@ class Replicator:
         self._queue: queue.Queue[_Round | None] = queue.Queue()
         self.stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
         """Timings of the most recent rounds, oldest first."""
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._last_copy: Any = None
-        self._fence_handle = None
-        if self._stream is not None and state.optimizer is not None:
-            # The next optimizer step must not overwrite parameters the side stream still copies.
-            self._fence_handle = state.optimizer.register_step_pre_hook(self._fence)
         self._left_behind = False
         """The worker outlived a stop's deadline once (blocked where the abort did not reach);
         later stops do not wait for it again."""
-        self._forward_fence_handle = None
-        if self._stream is not None:
-            # Nor the next forward overwrite buffers it mutates (BatchNorm statistics, FP8
-            # amax/scale), which are snapshotted too: its kernels wait for the copy as well.
-            self._forward_fence_handle = state.model.register_forward_pre_hook(
-                self._fence, prepend=True
-            )
+        self._use_streams(CudaStreams(self.device) if self.device.type == "cuda" else None)
         self._worker = threading.Thread(
             target=self._work, name=f"p2p-replicator-{self.rank}", daemon=True
         )
         self._worker.start()
+
+    def _use_streams(self, cuda: CudaStreams | None) -> None:
+        """Snapshot on a side stream of ``cuda`` (``None``: on the host, synchronously)."""
+        self._cuda = cuda
+        self._stream = cuda.new_stream() if cuda is not None else None
+        self._last_copy: Any = None
+        self._fence_handle = self._forward_fence_handle = None
+        self._staging: HostStaging | None = None
+        if cuda is None:
+            return
+        if self.kind is MemoryKind.GPU:
+            # Pinned now, at start-up: the host-resident pieces of every snapshot pass here.
+            self._staging = HostStaging(
+                self.device, self.state.staging_bytes(), new_event=cuda.new_event
+            )
+        if self.state.optimizer is not None:
+            # The next optimizer step must not overwrite parameters the side stream still copies.
+            self._fence_handle = self.state.optimizer.register_step_pre_hook(self._fence)
+        # Nor the next forward overwrite buffers it mutates (BatchNorm statistics, FP8
+        # amax/scale), which are snapshotted too: its kernels wait for the copy as well. First
+        # among the model's pre-hooks, so FSDP's unshard streams are ordered after the wait.
+        self._forward_fence_handle = self.state.model.register_forward_pre_hook(
+            self._fence, prepend=True
+        )
 
     @staticmethod
     def backend_for(config: ReplicationConfig, device: torch.device) -> tuple[MemoryKind, str]:
@@ -293,11 +369,13 @@ class Replicator:
         self._wait_idle()
         slot = self.own.writable()
         t0 = time.perf_counter()
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self.state.capture(slot.buffer, step, extras)
-                copied = torch.cuda.Event()
+        if self._cuda is not None:
+            # Enqueued only: the side stream starts once the optimizer step is done, and no
+            # copy here waits for it (the host-resident pieces go through the pinned staging).
+            self._stream.wait_stream(self._cuda.current())
+            with self._cuda.use(self._stream):
+                self.state.capture(slot.buffer, step, extras, self._staging)
+                copied = self._cuda.new_event()
                 copied.record(self._stream)
             self._last_copy = copied
         else:
@@ -306,7 +384,25 @@ class Replicator:
         with self._lock:
             self._in_flight += 1
         self._queue.put(_Round(step, slot, copied, time.perf_counter() - t0))
+        self._snapshots += 1
+        if self._snapshots == 2 and self.kind is MemoryKind.GPU:
+            self._recheck_memory()
         return True
+
+    def _recheck_memory(self) -> None:
+        """After the first training step the allocator knows its peak: check the GPU budget
+        again with it, and say so with the numbers and the fix if it is exceeded (the step ran,
+        but a later, larger one may not)."""
+        held = self.memory_bytes.get(MemoryKind.GPU.value, 0)
+        verdict = recheck_after_step(
+            held,
+            self.device,
+            self.config.max_memory_fraction,
+            f"rank {self.rank}'s snapshots and replicas",
+            self.config.step_peak_bytes,
+        )
+        if verdict is not None:
+            logger.warning("after the first training step: %s", verdict)
 
     def due(self, step: int) -> bool:
         """Whether :meth:`replicate` snapshots ``step`` (one step in ``interval_steps``)."""
@@ -344,7 +440,7 @@ class Replicator:
 
     def _fence(self, *_: Any) -> None:
         if self._last_copy is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last_copy)
+            self._cuda.current().wait_event(self._last_copy)
 
     # -- worker thread -------------------------------------------------------------------------
 
@@ -368,15 +464,11 @@ class Replicator:
                     self._idle.notify_all()
 
     def _run_round(self, job: _Round) -> None:
-        ctx = (
-            torch.cuda.stream(self._stream)
-            if self._stream is not None
-            else contextlib.nullcontext()
-        )
+        ctx = self._cuda.use(self._stream) if self._cuda is not None else contextlib.nullcontext()
         with ctx:
             if job.copied is not None:
                 job.copied.synchronize()
-            layout = self.state.layout
+            layout = self.layout
             own = job.slot.buffer[: layout.total_bytes]
             chunk = self.config.chunk_bytes
             with self._lock:
@@ -562,6 +654,10 @@ class Replicator:
         The caller has aborted the replication group, so a round in flight fails promptly;
         nothing incomplete is ever published. The group is left to its owner.
 
+        The live state is let go of: the copies are read without it, and the model and
+        optimizer it points at (the old generation's) must not stay allocated while the next
+        generation's are built.
+
         Returns:
             Whether the worker stopped within ``timeout_s`` (if not, it is left as a daemon;
             it only ever writes slots that are not published).
@@ -569,7 +665,10 @@ class Replicator:
         with self._lock:
             if self._failure is None:
                 self._failure = ReplicationError("replication was abandoned after a fault")
-        return self._stop_worker(timeout_s)
+        stopped = self._stop_worker(timeout_s)
+        if hasattr(self, "state"):
+            del self.state  # replicate() refuses from now on (the failure above)
+        return stopped
 
     def give_back(self, pool: BufferPool, keep: Collection[int] = ()) -> int:
         """Move the buffers of every copy but those of the steps in ``keep`` into ``pool``, for

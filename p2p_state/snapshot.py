@@ -9,9 +9,9 @@ The same structure holds a rank's own snapshots and each replica it keeps for a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -217,3 +217,92 @@ class DoubleBuffer:
     def complete_steps(self) -> list[int]:
         """Steps held complete (and not known corrupt), ascending."""
         return sorted(s.header.step for s in self.slots if s.header is not None and not s.corrupt)
+
+
+class HostStaging:
+    """Carries the host-resident pieces of a snapshot into a GPU slot without blocking the host.
+
+    A snapshot of GPU-resident state still has pieces that live on the host: the RNG states, the
+    non-tensor blob, and the ``step`` counters of a non-capturable AdamW (one 0-dim CPU tensor
+    per parameter). Copied one by one from pageable memory, each is a synchronous copy that first
+    waits for the side stream, which itself waits for the optimizer step: the training thread
+    would sit out the whole step. Here they are packed on the host into one pinned buffer (one
+    ``torch.cat``), moved by one non-blocking host-to-device copy into a device staging buffer,
+    and scattered into the slot by one batched device-side copy: three enqueues, whatever the
+    number of pieces.
+
+    The pinned buffer is written by the host and read by a copy still queued on the stream: it
+    is rewritten (or either buffer reallocated) only once the event recorded after the scatter
+    has completed, normally long before, as a new snapshot waits for the previous round, which
+    waited for its copy.
+
+    Args:
+        device: The GPU of the slots.
+        capacity: Bytes to reserve now (before they are needed); it grows if a snapshot needs
+            more.
+        pin: Allocate the host buffer pinned (only a CPU stand-in in tests passes ``False``).
+        new_event: Makes the event recorded after each host-to-device copy.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        capacity: int,
+        *,
+        pin: bool = True,
+        new_event: Callable[[], Any] | None = None,
+    ) -> None:
+        self.device = device
+        self._pin = pin
+        self._new_event = new_event or torch.cuda.Event
+        self._host = torch.empty(0, dtype=torch.uint8)
+        self._dev = torch.empty(0, dtype=torch.uint8, device=device)
+        self._read: Any = None  # event after the last copy out of the staging buffers
+        self.reserve(capacity)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the staging buffers hold."""
+        return self._host.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` (allocating now, off the training step's path)."""
+        if nbytes <= self._host.numel():
+            return
+        self._wait_read()
+        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _wait_read(self) -> None:
+        if self._read is not None:
+            self._read.synchronize()
+            self._read = None
+
+    def stage(self, buffer: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> None:
+        """Enqueue, on the current stream, the writes of ``pieces`` into ``buffer``.
+
+        Args:
+            buffer: The slot (1-D ``uint8`` on ``device``).
+            pieces: ``(byte offset in buffer, 1-D uint8 host tensor)``; the host tensors may be
+                reused as soon as this returns.
+        """
+        pieces = [(o, b) for o, b in pieces if b.numel()]
+        if not pieces:
+            return
+        total = sum(b.numel() for _, b in pieces)
+        self.reserve(total)
+        self._wait_read()  # the previous copy out of the host buffer has read it
+        torch.cat([b for _, b in pieces], out=self._host[:total])
+        self._dev[:total].copy_(self._host[:total], non_blocking=True)
+        dst, src, at = [], [], 0
+        for offset, b in pieces:
+            n = b.numel()
+            dst.append(buffer[offset : offset + n])
+            src.append(self._dev[at : at + n])
+            at += n
+        torch._foreach_copy_(dst, src, non_blocking=True)
+        # After the scatter, so a completed event also frees the device staging for reuse or
+        # reallocation (it is used on this stream, not the one it was allocated on).
+        read = self._new_event()
+        read.record()
+        self._read = read

@@ -15,7 +15,7 @@ import logging
 import random
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -23,6 +23,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from p2p_state.layout import StateLayout, dtype_from_name
+
+if TYPE_CHECKING:
+    from p2p_state.snapshot import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -327,13 +330,20 @@ class TrainingState:
         and buffers are paired (they come first in the layout), and the snapshot records that
         the optimizer was fresh.
         """
+        return [(v, t) for _, v, t in self._snapshot_triples(buffer)]
+
+    def _snapshot_triples(
+        self, buffer: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """:meth:`_snapshot_pairs` with each entry's byte offset in front."""
         live = [_local(t) for _, t in self._named_live()]
         if len(live) != self._num_tensor_entries and not self.optimizer_fresh:
             raise RuntimeError(
                 "the optimizer state does not match the layout it was described with; "
                 "parameters or optimizer state were added after the engine was set up"
             )
-        return [(v, t) for v, t in zip(self.views(buffer), live) if v.numel()]
+        entries = [e for e in self.layout.entries if not e.name.startswith("rng/")]
+        return [(e.offset, v, t) for e, v, t in zip(entries, self.views(buffer), live) if v.numel()]
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of ``buffer`` for every non-RNG entry, in layout order.
@@ -424,20 +434,11 @@ class TrainingState:
     def capture_small(self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any]) -> None:
         """Write the RNG states and the non-tensor state (step, extras, ...) into ``buffer``.
 
-        Cheap; call it at the moment the snapshot stands for (RNG advances with every forward).
+        Cheap on a host ``buffer``; call it at the moment the snapshot stands for (RNG advances
+        with every forward). A GPU ``buffer`` goes through :meth:`capture` with a staging.
         """
-        for name, t in self._rng_entries():
-            e = self.layout.entry(name)
-            buffer[e.offset : e.end].copy_(t.view(torch.uint8).flatten(), non_blocking=False)
-        data = self._blob(step, extras)
-        blob = buffer[self.layout.blob_offset : self.layout.blob_offset + self.layout.blob_capacity]
-        header = torch.tensor(
-            list(len(data).to_bytes(_BLOB_LEN_BYTES, "little")), dtype=torch.uint8
-        )
-        blob[:_BLOB_LEN_BYTES].copy_(header)
-        blob[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + len(data)].copy_(
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        )
+        for offset, data in self.small_pieces(step, extras):
+            buffer[offset : offset + data.numel()].copy_(data)
 
     def copy_tensors_into(self, buffer: torch.Tensor) -> None:
         """Copy every live tensor into its range of ``buffer`` (one batched copy)."""
@@ -449,11 +450,68 @@ class TrainingState:
                 )
 
     def capture(
-        self, buffer: torch.Tensor, step: int, extras: Mapping[str, Any] | None = None
+        self,
+        buffer: torch.Tensor,
+        step: int,
+        extras: Mapping[str, Any] | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
-        """Write the whole state (tensors, RNG, non-tensor state) into ``buffer``."""
-        self.copy_tensors_into(buffer)
-        self.capture_small(buffer, step, extras or {})
+        """Write the whole state (tensors, RNG, non-tensor state) into ``buffer``.
+
+        With ``staging`` (for a GPU ``buffer``) nothing here waits for the GPU: the tensors on
+        the buffer's device are one batched device-side copy, and every host-resident piece
+        (CPU tensors such as a non-capturable AdamW's ``step``, the RNG states, the blob) goes
+        through the staging buffers in one host-to-device copy, all enqueued on the current
+        stream. The bytes written are the same either way.
+        """
+        if staging is None:
+            self.copy_tensors_into(buffer)
+            self.capture_small(buffer, step, extras or {})
+            return
+        device_pairs, host = self.split_pairs(buffer)
+        if device_pairs:
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [d for d, _ in device_pairs], [s for _, s in device_pairs], non_blocking=True
+                )
+        staging.stage(buffer, host + self.small_pieces(step, extras or {}))
+
+    def split_pairs(
+        self, buffer: torch.Tensor
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
+        """The snapshot's tensors by where they live: ``(view, live)`` pairs of tensors on
+        ``buffer``'s device, and ``(byte offset, bytes)`` of the others (host tensors of a GPU
+        state, e.g. AdamW's ``step``), whose copies must not be issued one by one."""
+        on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        elsewhere: list[tuple[int, torch.Tensor]] = []
+        for offset, view, live in self._snapshot_triples(buffer):
+            if live.device == buffer.device:
+                on_device.append((view, live))
+            else:
+                elsewhere.append((offset, live.detach().reshape(-1).view(torch.uint8).cpu()))
+        return on_device, elsewhere
+
+    def small_pieces(self, step: int, extras: Mapping[str, Any]) -> list[tuple[int, torch.Tensor]]:
+        """What :meth:`capture_small` writes, as ``(byte offset, host bytes)`` pieces."""
+        pieces = []
+        for name, t in self._rng_entries():
+            e = self.layout.entry(name)
+            pieces.append((e.offset, t.view(torch.uint8).flatten()))
+        data = self._blob(step, extras)
+        framed = len(data).to_bytes(_BLOB_LEN_BYTES, "little") + data
+        pieces.append(
+            (self.layout.blob_offset, torch.frombuffer(bytearray(framed), dtype=torch.uint8))
+        )
+        return pieces
+
+    def staging_bytes(self) -> int:
+        """Bytes :meth:`capture` stages through a :class:`HostStaging` for a GPU state: the RNG
+        states, the whole blob region and every 0-dim entry (the CPU ``step`` counters; the
+        optimizer may not have built them yet, so where they live is not known). A state with
+        larger host tensors makes the staging grow at its first snapshot."""
+        return self.layout.blob_capacity + sum(
+            e.nbytes for e in self.layout.entries if e.name.startswith("rng/") or not e.shape
+        )
 
     def read_blob(self, buffer: torch.Tensor) -> dict[str, Any]:
         """Decode the non-tensor state stored in ``buffer``."""

@@ -32,6 +32,7 @@ exceptions of :mod:`recovery.errors`, which the entry point turns into exit code
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -424,7 +425,13 @@ class ProtectedJob:
         with self._hooks.phase(rec, phases.BUILD):
             if source is RestoreSource.INITIAL:
                 restore_rng(self._initial_rng)
+            had_model = self.model is not None
             self.model = self.optimizer = self.scheduler = self.state = None
+            if had_model and self._session.device_type == "cuda":
+                # An FSDP2 model and its optimizer sit in reference cycles (modules, hooks,
+                # states): until a collection their GPU memory stays allocated under the new
+                # generation's. One full collection, about 0.1 s, against an out-of-memory.
+                gc.collect()
             state = self._build_state(
                 restore_from=None if source is RestoreSource.INITIAL else source
             )

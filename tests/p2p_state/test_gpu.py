@@ -44,3 +44,59 @@ def test_gpu_checksum_matches_in_chunks_the_host_s_and_catches_a_flip():
     assert c.value() == whole
     buf[12345] ^= 1
     assert checksum(buf) != whole
+
+
+def test_a_staged_capture_on_a_side_stream_writes_the_bytes_of_a_host_capture():
+    # Default AdamW keeps its step counters on the host: they, the RNG states and the blob go
+    # through the pinned staging; everything else is one device-side batched copy.
+    from p2p_state.snapshot import HostStaging
+    from p2p_state.state import TrainingState
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 64, device=device)).sum().backward()
+    opt.step()
+    state = TrainingState(model, opt)
+    assert any(not s.is_cuda for v in opt.state.values() for s in v.values())
+    staging = HostStaging(device, state.staging_bytes())
+    on_gpu = torch.zeros(state.layout.total_bytes, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    for step in (1, 2):  # the second reuses the staging buffers
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            state.capture(on_gpu, step, {"step": step}, staging)
+        side.synchronize()
+        on_host = torch.zeros(state.layout.total_bytes, dtype=torch.uint8)
+        state.capture(on_host, step, {"step": step})
+        assert torch.equal(on_gpu.cpu(), on_host)
+
+
+@pytest.mark.parametrize("variant", ["default", "fused", "capturable"])
+def test_fsdp2_capture_and_restore_on_a_one_rank_nccl_mesh_is_bitwise(variant):
+    from bench.gpu_state_checks import bitwise_restore
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    r = bitwise_restore(device, variant)
+    assert r["passed"], r
+
+
+def test_the_next_forward_waits_for_the_snapshot_of_the_buffers_it_mutates():
+    from bench.gpu_state_checks import stream_race
+
+    r = stream_race(torch.device("cuda", torch.cuda.current_device()))
+    assert r["fenced_equal"] is True
+    assert r["unfenced_differs"] is True  # the check can see the race it guards against
+
+
+def test_after_a_step_the_gpu_budget_is_checked_with_the_step_s_measured_peak():
+    from p2p_state.memory import recheck_after_step
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Linear(1024, 1024).to(device)
+    model(torch.randn(4096, 1024, device=device)).sum().backward()  # a transient peak
+    assert recheck_after_step(1 << 20, device, 0.8, "1 MiB of snapshots") is None
+    total = torch.cuda.get_device_properties(device).total_memory
+    verdict = recheck_after_step(total, device, 0.8, "a device's worth of snapshots")
+    assert verdict is not None and "kept for the training step's peak" in verdict

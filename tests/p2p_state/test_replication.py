@@ -203,3 +203,33 @@ def test_a_replicator_whose_worker_is_left_behind_gives_nothing_back():
     finally:
         release.set()
         worker.join(5)
+
+
+def test_an_abandoned_replicator_lets_go_of_the_old_model_and_optimizer():
+    import gc
+    import weakref
+
+    from p2p_state.state import TrainingState
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    worker = threading.Thread(target=lambda: None)
+    worker.start()
+    worker.join()
+    rep = _stopped_replicator(worker)
+    rep.state = TrainingState(model, opt)
+    rep.layout = rep.state.layout
+    rep._fence_handle = rep._forward_fence_handle = None
+    rep._left_behind, rep._queue = False, queue.Queue()
+    rep._idle, rep._in_flight = threading.Condition(rep._lock), 0
+    gone = weakref.ref(model)
+    del model, opt
+    rep.abandon()
+    gc.collect()
+    assert gone() is None  # its memory can go before the next generation's model is built
+    assert rep.layout.entry("param/weight").shape == (4, 4)  # what the copies are read with
+    assert rep.own_steps() == [4, 5]
+    with pytest.raises(ReplicationError, match="abandoned"):
+        rep._wait_idle(0.1)  # so replicate() refuses before it would need the state
