@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Sequence
 
 from p2p_state.snapshot import Copy
 from recovery.errors import RecoveryFailed
 from recovery.planner import choose_source
 from recovery.restore import describe_gap
+
+logger = logging.getLogger(__name__)
 
 
 class RestoreSource(str, enum.Enum):
@@ -39,12 +42,13 @@ def choose_restore_source(
             under ``root`` (asked only when no step has a copy of every shard).
 
     Returns:
-        The source: peers when some step is complete, else the checkpoint, else (nothing was
-        ever replicated) the initial state.
+        The source: peers when some step is complete, else the newest complete checkpoint,
+        else the initial state: where nothing was ever replicated, or where checkpoints are
+        configured but none is complete yet (a shard lost before the first one was written).
 
     Raises:
-        RecoveryFailed: some shard is lost for good and there is no checkpoint; the message
-            names the lost shards and the fix.
+        RecoveryFailed: some shard is lost for good and checkpoints are not configured; the
+            message names the lost shards and the fix.
     """
     if choose_source(held, world_size) is not None:
         return RestoreSource.PEERS
@@ -54,12 +58,19 @@ def choose_restore_source(
         # No training step was ever replicated: every rank starts again from the initial
         # state (the factory's, with the RNG as it was when protect() began).
         return RestoreSource.INITIAL
-    where = (
-        f"under {checkpoint_root!r}"
-        if checkpoint_root is not None
-        else "(RecoveryConfig.checkpoint is not set)"
-    )
+    if checkpoint_root is not None:
+        # A cold fallback was asked for but its first checkpoint is not complete yet: the
+        # initial state is the oldest checkpoint there is. The steps so far are redone, as a
+        # restart would, and the result is the same bits.
+        logger.warning(
+            "%s, and no checkpoint under %r is complete yet: starting again from the initial "
+            "state (every step so far is redone)",
+            describe_gap(held),
+            checkpoint_root,
+        )
+        return RestoreSource.INITIAL
     raise RecoveryFailed(
-        f"{describe_gap(held)}, and there is no complete checkpoint {where}: the job cannot "
-        "continue; raise the replication factor or configure checkpoints"
+        f"{describe_gap(held)}, and there is no complete checkpoint (RecoveryConfig.checkpoint "
+        "is not set): the job cannot continue; raise the replication factor or configure "
+        "checkpoints"
     )
