@@ -137,6 +137,23 @@ def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(
     assert step in (2, 4) and step in complete_steps(str(ckpt))
 
 
+def test_every_copy_lost_before_the_first_checkpoint_restarts_from_the_initial_state(
+    tmp_path, data_cache, reference
+):
+    # Checkpoints asked for, the first not due yet: the initial state is the oldest checkpoint.
+    ckpt = tmp_path / "ckpt"
+    outcome = run(
+        tmp_path,
+        data_cache,
+        faults=("kill-buddies:rank=1@step=3",),
+        spares=(1, 1),
+        launcher_args=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "100"),
+    )
+    assert_bitwise(outcome, reference)
+    done = outcome.events("recovery_done")
+    assert {e["restored_from"] for e in done} == {"initial"} and {e["step"] for e in done} == {0}
+
+
 def test_without_a_checkpoint_the_loss_of_every_copy_ends_the_job_clearly(tmp_path, data_cache):
     outcome = run(tmp_path, data_cache, faults=("kill-buddies:rank=1@step=4",), spares=(1, 1))
     assert outcome.codes == [1, 1]
