@@ -533,8 +533,9 @@ class ProtectedJob:
         # Any other in flight ends first (its collectives run on the same group). Every rank
         # decides alike: the steps saved are the same everywhere.
         ckpt = self.config.checkpoint
-        written = self.checkpointer is not None and ckpt is not None
-        written = written and step % ckpt.every_steps == 0
+        written = (
+            self.checkpointer is not None and ckpt is not None and step % ckpt.every_steps == 0
+        )
         self._copies.wait_checkpoint()
         lost = self._session.coordinators_lost or []
         stopped = stop_with_checkpoint(

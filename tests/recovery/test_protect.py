@@ -204,14 +204,20 @@ PACED = {ENV_JOB_HOOKS: "bench.resize_bench:pace", ENV_BENCH_STEP_S: "2.5"}
 NO_COORDINATOR = ("--coordinator-timeout", "6")
 
 
+@pytest.mark.parametrize("periodic", [False, True], ids=["no-checkpoints", "every-step"])
 def test_losing_every_coordinator_stops_at_an_agreed_step_with_a_checkpoint_resumed_bitwise(
-    tmp_path, data_cache, reference
+    tmp_path, data_cache, reference, periodic
 ):
+    # Without --checkpoint-dir the stop checkpoint goes to <run-dir>/checkpoints; with a
+    # checkpoint every step, the periodic save of the step the ranks stop at is the stop
+    # checkpoint (waited for, not written twice).
+    ckpt = tmp_path / "stopped" / ("ckpt" if periodic else "checkpoints")
+    every_step = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "1") if periodic else ()
     stopped = run(
         tmp_path / "stopped",
         data_cache,
         faults=("kill-coordinators@step=2",),
-        launcher_args=(*NO_COORDINATOR, "--stop-checkpoint-timeout", "120"),
+        launcher_args=(*NO_COORDINATOR, "--stop-checkpoint-timeout", "120", *every_step),
         env=PACED,
     )
     assert stopped.codes == [1, 1], stopped.job.output(0)[-3000:]
@@ -223,8 +229,7 @@ def test_losing_every_coordinator_stops_at_an_agreed_step_with_a_checkpoint_resu
     )
     (step,) = {e["step"] for e in written}
     assert 2 <= step < NUM_STEPS
-    ckpt = stopped.job.run_dir / "checkpoints"
-    assert complete_steps(str(ckpt)) == [step]
+    assert complete_steps(str(ckpt)) == (list(range(1, step + 1)) if periodic else [step])
     exits = stopped.events("process_exited")
     assert {e["code"] for e in exits if e["rank"] is not None} == {1}
     assert {e["code"] for e in exits if e["rank"] is None} == {0}  # the spare: nothing to save
