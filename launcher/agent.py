@@ -72,8 +72,8 @@ class AgentConfig:
     coordinator_timeout_s: float = setting(
         30.0,
         flag="--coordinator-timeout",
-        help="silence from the coordinator after which a node stops its processes and exits "
-        "with an error, seconds (default {default})",
+        help="silence from every coordinator after which a node's ranks stop with a "
+        "checkpoint and p2p-run exits with an error, seconds (default {default})",
     )
     """Silence from the coordinator after which the node gives up: its ranks stop with a
     checkpoint, then p2p-run exits with an error (the coordinator heartbeats every agent 5 times
