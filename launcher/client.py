@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -101,10 +102,19 @@ class ClientConfig:
             node=int(os.environ.get(protocol.ENV_NODE_RANK, "0")),
             heartbeat_interval_s=float(os.environ.get(protocol.ENV_HEARTBEAT_INTERVAL, "0.5")),
             run_dir=os.environ.get(protocol.ENV_RUN_DIR) or None,
-            agent_fd=int(os.environ[protocol.ENV_AGENT_FD])
-            if os.environ.get(protocol.ENV_AGENT_FD, "").isdigit()
-            else None,
+            agent_fd=_agent_fd(os.environ.get(protocol.ENV_AGENT_FD, "")),
         )
+
+
+def _agent_fd(value: str) -> int | None:
+    """The descriptor ``P2P_AGENT_FD`` names, if it is a socket this process holds (a process
+    started by a rank inherits the variable, not always the descriptor)."""
+    if not value.isdigit():
+        return None
+    try:
+        return int(value) if stat.S_ISSOCK(os.fstat(int(value)).st_mode) else None
+    except OSError:
+        return None
 
 
 class ControlClient:
