@@ -102,6 +102,11 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
             )
         if not f.in_recovery and not 1 <= f.at <= args.steps:
             raise UsageError(f"{f}: step {f.at} is outside 1..{args.steps} (--steps)")
+        if f.kind == "kill-coordinators":
+            raise UsageError(
+                f"{f}: with every coordinator lost the job stops with a checkpoint, so the run "
+                "has no end to compare; lose one coordinator (kill-coordinator) instead"
+            )
         takes_coordinator = f.kind in COORDINATOR_KINDS or (f.kind == "kill-node" and f.target == 0)
         if takes_coordinator and args.nnodes < 2:
             raise UsageError(f"{f}: a standby coordinator runs on node 1: use --nnodes 2 or more")

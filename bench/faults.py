@@ -23,6 +23,10 @@ A fault is written as ``kind:target@when[:phase=...]``:
                                           takes over; training does not stop)
 ``hang-coordinator@step=30``              SIGSTOP the active coordinator at step 30 (it is
                                           fenced off if it ever runs again)
+``kill-coordinators@step=30``             SIGKILL the active coordinator and every standby at
+                                          step 30: the job stops with a checkpoint of a step
+                                          its ranks agree on (``inject`` refuses it: a stopped
+                                          run has no end to compare; the tests resume it)
 ========================================  =====================================================
 
 A node loss of node 0 (``kill-node:node=0``) takes the active coordinator with it.
@@ -65,9 +69,10 @@ KINDS = (
     "bitflip",
     "kill-coordinator",
     "hang-coordinator",
+    "kill-coordinators",
 )
 #: Faults of the control plane, not of a rank: they name no target.
-COORDINATOR_KINDS = ("kill-coordinator", "hang-coordinator")
+COORDINATOR_KINDS = ("kill-coordinator", "hang-coordinator", "kill-coordinators")
 STEP_PHASES = ("forward", "backward", "optimizer", "replication")
 RECOVERY_PHASES = ANNOUNCED_PHASES
 _SPEC = re.compile(
@@ -118,7 +123,8 @@ def parse_fault(spec: str) -> Fault:
         "write kill:rank=R@step=S[:phase=forward|backward|optimizer|replication], "
         "hang:rank=R@step=S, kill-node:node=N@step=S, kill-buddies:rank=R@step=S, "
         "during-replication:rank=R@step=S, during-recovery:rank=R@recovery=K[:phase=P], "
-        "bitflip:rank=R@step=S, kill-coordinator@step=S or hang-coordinator@step=S "
+        "bitflip:rank=R@step=S, kill-coordinator@step=S, hang-coordinator@step=S, "
+        "kill-coordinators@step=S "
         "(or @recovery=K[:phase=P]: in the middle of a recovery)"
     )
     if not m:
@@ -191,6 +197,16 @@ def _resume_after_takeover(pid: int, run_dir: Path, deadline_s: float = 120.0) -
         time.sleep(0.2)  # polls the job's event log; not a stand-in for a handshake
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
+
+
+def _coordinators(run_dir: Path) -> list[dict[str, Any]]:
+    """What the active coordinator (``coordinator.json``) and every standby
+    (``coordinator-<node>.json``) of the job in ``run_dir`` published, ``pid`` included."""
+    found = []
+    for path in sorted(run_dir.glob("coordinator*.json")):
+        if re.fullmatch(r"coordinator(-[^.]+)?\.json", path.name):
+            found.append(json.loads(path.read_text()))
+    return found
 
 
 class Injector:
@@ -319,6 +335,10 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "kill-coordinators":
+            for doc in _coordinators(self.markers.parent):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(doc["pid"]), signal.SIGKILL)
         elif fault.kind in COORDINATOR_KINDS:
             # The active coordinator of the job (the one node 0 started, until a takeover).
             doc = json.loads((self.markers.parent / "coordinator.json").read_text())

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,6 +274,7 @@ def run_script(
     launcher_args: Sequence[str] = (),
     timeout_s: float = 600.0,
     on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
+    env: Mapping[str, str] | None = None,
     **job_kwargs: Any,
 ) -> JobOutcome:
     """Run a protected training script under p2p-run to its end with ``faults`` injected.
@@ -281,10 +282,14 @@ def run_script(
     The faults are armed in every rank through the engine's ``P2P_JOB_HOOKS``
     (:mod:`bench.probe`), so the script needs no line for them. Each rank's results
     (``rank<r>.json``) are read from ``results_dir`` when the script writes them itself, or
-    else recorded by the probe: every step's batch and the final state's digest.
+    else recorded by the probe: every step's batch and the final state's digest. ``env`` is
+    more environment for every process; hooks in its ``P2P_JOB_HOOKS`` follow the probe.
     """
     run_dir = Path(run_dir)
-    env = {ENV_JOB_HOOKS: probe.HOOK}
+    extra, env = dict(env or {}), {ENV_JOB_HOOKS: probe.HOOK}
+    if extra.get(ENV_JOB_HOOKS):
+        env[ENV_JOB_HOOKS] += f",{extra.pop(ENV_JOB_HOOKS)}"
+    env.update(extra)
     if faults:
         env[ENV_INJECT] = to_env(list(faults))
     if results_dir is None:

@@ -7,6 +7,13 @@ coordinator declares hung, starts spares on request, and on every way out (the j
 SIGINT, SIGTERM, an error) terminates every child it started. Children also get
 ``PR_SET_PDEATHSIG``, so they die with the agent even if it is SIGKILLed: a lost agent is a
 lost node, and its processes must not linger as ghosts in the job.
+
+Each child also gets a local channel to the agent (a Unix socket pair, ``P2P_AGENT_FD``). When
+no coordinator has been heard for ``--coordinator-timeout`` (the active one and every standby
+are gone), the agent says so on every channel and gives the ranks up to
+``--stop-checkpoint-timeout`` to agree on a step among themselves and write a checkpoint of it
+(:mod:`recovery.job`); they say on the channel where it is, and the agent ends with one line
+naming it and how to resume.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -64,11 +72,18 @@ class AgentConfig:
     coordinator_timeout_s: float = setting(
         30.0,
         flag="--coordinator-timeout",
-        help="silence from the coordinator after which a node stops its processes and exits "
-        "with an error, seconds (default {default})",
+        help="silence from every coordinator after which a node's ranks stop with a "
+        "checkpoint and p2p-run exits with an error, seconds (default {default})",
     )
-    """Silence from the coordinator after which the node gives up: children are stopped and
-    p2p-run exits with an error (the coordinator heartbeats every agent twice a second)."""
+    """Silence from the coordinator after which the node gives up: its ranks stop with a
+    checkpoint, then p2p-run exits with an error (the coordinator heartbeats every agent 5 times
+    a second)."""
+    stop_checkpoint_timeout_s: float = setting(
+        300.0,
+        flag="--stop-checkpoint-timeout",
+        help="once no coordinator is left, how long the ranks get to agree on a step and write "
+        "its checkpoint before the node stops them, seconds (default {default})",
+    )
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -81,6 +96,9 @@ class _Child:
     local_rank: int | None
     proc: subprocess.Popen
     pidfd: int
+    channel: socket.socket
+    """The agent's end of the child's local channel (``P2P_AGENT_FD``)."""
+    lines: protocol.LocalLines = field(default_factory=protocol.LocalLines)
 
 
 #: How long a hello may go unanswered before it is sent again, on a fresh connection.
@@ -111,11 +129,19 @@ class Agent:
         self._exits: list[tuple[float, dict]] = []
         """Exits reported lately: sent again to a coordinator that takes over (the one they
         went to may have died before acting on them)."""
+        self._stopped: dict[str, dict] = {}
+        """What each child said on its channel about the checkpoint of a stopping job."""
 
     # -- children ------------------------------------------------------------------------------
 
     def _env(
-        self, identity: str, routing: str, role: str, rank: int | None, local_rank: int | None
+        self,
+        identity: str,
+        routing: str,
+        role: str,
+        rank: int | None,
+        local_rank: int | None,
+        channel: int,
     ) -> dict:
         cfg = self.config
         env = dict(os.environ)
@@ -139,6 +165,7 @@ class Agent:
                 protocol.ENV_HEARTBEAT_INTERVAL: str(cfg.heartbeat_interval_s),
                 protocol.ENV_RUN_DIR: cfg.run_dir,
                 protocol.ENV_AGENT_PID: str(os.getpid()),
+                protocol.ENV_AGENT_FD: str(channel),
             }
         )
         if self.env_store_port:
@@ -167,13 +194,22 @@ class Agent:
         self._spawned += 1
         identity = f"{role}/{self.config.node_rank}/{self._spawned}"
         routing = protocol.routing_id(identity)
-        proc = subprocess.Popen(
-            list(self.config.command),
-            env=self._env(identity, routing, role, rank, local_rank),
-            preexec_fn=_die_with_parent,
-        )
+        mine, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                list(self.config.command),
+                env=self._env(identity, routing, role, rank, local_rank, theirs.fileno()),
+                preexec_fn=_die_with_parent,
+                pass_fds=(theirs.fileno(),),
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.setblocking(False)
         pidfd = os.pidfd_open(proc.pid)
-        self.children[pidfd] = _Child(identity, routing, role, rank, local_rank, proc, pidfd)
+        self.children[pidfd] = _Child(identity, routing, role, rank, local_rank, proc, pidfd, mine)
         self.events.write("process_started", identity=identity, role=role, rank=rank, pid=proc.pid)
 
     def _spawn_spare(self) -> None:
@@ -187,6 +223,8 @@ class Agent:
         child = self.children.pop(pidfd)
         code = child.proc.wait()
         os.close(pidfd)
+        self._hear(child)  # what it said last, before it exited
+        child.channel.close()
         self.events.write(
             "process_exited",
             identity=child.identity,
@@ -205,6 +243,30 @@ class Agent:
         self._exits = [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S][-1000:]
         self._exits.append((now, body))
         self._send(protocol.EXITED, body)
+
+    def _hear(self, child: _Child) -> None:
+        """Read what ``child`` said on its channel."""
+        while True:
+            try:
+                data = child.channel.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("the channel to %s failed: %s", child.identity, e)
+                return
+            if not data:
+                return
+            for msg in child.lines.feed(data):
+                if msg["type"] == protocol.STOPPED:
+                    body = {k: v for k, v in msg.items() if k != "type"}
+                    self._stopped[child.identity] = body
+                    self.events.write("child_stopped", identity=child.identity, **body)
+
+    def _tell(self, child: _Child, type_: str, body: dict) -> None:
+        try:
+            child.channel.sendall(protocol.encode_local(type_, body))
+        except OSError as e:  # it is exiting: its exit is reaped as usual
+            logger.info("could not tell %s %s: %s", child.identity, type_, e)
 
     def _kill(self, identity: str, pid: int, reason: str) -> None:
         for child in self.children.values():
@@ -226,8 +288,9 @@ class Agent:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
-        for pidfd in list(self.children):
+        for pidfd, child in list(self.children.items()):
             os.close(pidfd)
+            child.channel.close()
         self.children.clear()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -342,14 +405,49 @@ class Agent:
                 return 128 + self._signal
             silent = time.monotonic() - self._heard
             if silent > self.config.coordinator_timeout_s:
-                self.events.write("coordinator_lost", silent_s=silent)
-                raise AgentError(
-                    f"no word from any coordinator ({', '.join(links.sockets)}) for "
-                    f"{silent:.0f}s; stopping this node's processes"
-                )
+                raise self._stop_without_coordinator(list(links.sockets), silent, wake_r)
             if time.monotonic() >= next_beat:
                 self._send(protocol.HEARTBEAT, {})
                 next_beat = time.monotonic() + self.config.heartbeat_interval_s
+
+    def _stop_without_coordinator(
+        self, addresses: list[str], silent_s: float, wake_r: int
+    ) -> AgentError:
+        """No coordinator is left: tell every child, give the ranks until
+        ``stop_checkpoint_timeout_s`` to stop with a checkpoint, and say where it is.
+
+        Returns:
+            The error ending this node (its message is p2p-run's one line).
+        """
+        self.events.write("coordinator_lost", silent_s=silent_s, addresses=addresses)
+        logger.error(
+            "no word from any coordinator (%s) for %.0fs: the ranks stop with a checkpoint",
+            ", ".join(addresses),
+            silent_s,
+        )
+        body = {"addresses": addresses, "silent_s": round(silent_s, 1)}
+        for child in self.children.values():
+            self._tell(child, protocol.COORDINATORS_LOST, body)
+        deadline = time.monotonic() + self.config.stop_checkpoint_timeout_s
+        while self.children and self._signal is None:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                break
+            poller = zmq.Poller()
+            poller.register(wake_r, zmq.POLLIN)
+            for pidfd in self.children:
+                poller.register(pidfd, zmq.POLLIN)
+            for item, _ in poller.poll(left_s * 1000):
+                if item == wake_r:
+                    os.read(wake_r, 4096)
+                else:
+                    self._reap(item)
+        late = sorted(c.identity for c in self.children.values())
+        for child in self.children.values():
+            self._hear(child)
+        line = stop_line(addresses, silent_s, self._stopped, late, self.config)
+        self.events.write("stopped_without_coordinator", reason=line)
+        return AgentError(line)
 
     def _receive(self, links: CoordinatorLinks, sock: zmq.Socket) -> int | None:
         received = links.receive(sock)
@@ -403,6 +501,47 @@ class Agent:
             if not granted:
                 body["active"] = links.active  # a standby left behind follows this one
             links.send_to(address, protocol.VOTED, body)
+
+
+def stop_line(
+    addresses: list[str],
+    silent_s: float,
+    stopped: dict[str, dict],
+    late: list[str],
+    config: AgentConfig,
+) -> str:
+    """p2p-run's one line when no coordinator is left.
+
+    Args:
+        addresses: The coordinators this node knew.
+        silent_s: How long none of them was heard.
+        stopped: What each child said about the stop (``step`` and ``root``, or ``reason``).
+        late: Children still running when ``stop_checkpoint_timeout_s`` passed.
+        config: The node's settings.
+    """
+    head = f"no word from any coordinator ({', '.join(addresses)}) for {silent_s:.0f}s"
+    written = sorted(
+        (int(b["step"]), str(b["root"]))
+        for b in stopped.values()
+        if isinstance(b.get("step"), int) and isinstance(b.get("root"), str)
+    )
+    if written:
+        step, root = written[-1]
+        return (
+            f"{head}: the ranks stopped at step {step} with a checkpoint in {root}; resume "
+            f"with p2p-run --checkpoint-dir {root} --resume (and this job's secret)"
+        )
+    reasons = [str(b["reason"]) for b in stopped.values() if b.get("reason")]
+    if reasons:
+        return f"{head}: {reasons[0]}"
+    if late:
+        return (
+            f"{head}: this node's ranks wrote no checkpoint within "
+            f"{config.stop_checkpoint_timeout_s:.0f}s "
+            "(--stop-checkpoint-timeout) and were stopped; only the periodic checkpoints, if "
+            "any, are behind the job"
+        )
+    return f"{head}: this node's processes had ended; nothing was left to checkpoint here"
 
 
 def run_agent(config: AgentConfig, on_end: Callable[[int, str], None] | None = None) -> int:

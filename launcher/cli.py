@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(
         p, MembershipConfig, "heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "max_restarts"
     )
-    add_flags(p, AgentConfig, "coordinator_timeout_s")
+    add_flags(p, AgentConfig, "coordinator_timeout_s", "stop_checkpoint_timeout_s")
     add_flags(p, RunOptions, "external_coordinator", "standby_coordinators")
     add_flags(p, CoordinatorConfig, "takeover_timeout_s")
     add_flags(p, slurm.Flags, "run_dir", "job_id")
@@ -250,6 +250,8 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
         raise UsageError(
             "--coordinator-timeout must be more than 1 s (the coordinator beats at 5 Hz)"
         )
+    if args.stop_checkpoint_timeout_s <= 0:
+        raise UsageError("--stop-checkpoint-timeout must be more than 0 s")
     if script and not args.print_config and not args.module and not Path(args.script).is_file():
         raise UsageError(f"script {args.script} does not exist")
     if args.external_coordinator and not args.coordinator:

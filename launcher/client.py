@@ -16,6 +16,10 @@ list only the ranks that changed; processes new to the job get the full maps.
 
 Rank-side events (recovery phases, steps) go to the job's event log through :meth:`event`.
 
+Under p2p-run the process also has a local channel to its node's agent (``P2P_AGENT_FD``): the
+agent says there when no coordinator is left (``coordinators_lost``, delivered like a shutdown:
+to :meth:`next_event` and a callback), and hears where the checkpoint the job stopped with is.
+
 This module imports nothing from ``launcher`` but :mod:`launcher.protocol` and the event log.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +68,8 @@ class ClientConfig:
     """Where the job's event log lives (``None``: events are not written)."""
     routing_id: str | None = None
     """The routing id to connect under (``None``: a new one)."""
+    agent_fd: int | None = None
+    """This process's end of the local channel to its node's agent (``None``: no agent)."""
 
     def __post_init__(self) -> None:
         if self.routing_id is not None and protocol.identity_of(self.routing_id) != self.identity:
@@ -105,7 +112,19 @@ class ClientConfig:
             heartbeat_interval_s=float(os.environ.get(protocol.ENV_HEARTBEAT_INTERVAL, "0.5")),
             run_dir=os.environ.get(protocol.ENV_RUN_DIR) or None,
             routing_id=os.environ.get(protocol.ENV_ROUTING_ID) or None,
+            agent_fd=_agent_fd(os.environ.get(protocol.ENV_AGENT_FD, "")),
         )
+
+
+def _agent_fd(value: str) -> int | None:
+    """The descriptor ``P2P_AGENT_FD`` names, if it is a socket this process holds (a process
+    started by a rank inherits the variable, not always the descriptor)."""
+    if not value.isdigit():
+        return None
+    try:
+        return int(value) if stat.S_ISSOCK(os.fstat(int(value)).st_mode) else None
+    except OSError:
+        return None
 
 
 class ControlClient:
@@ -121,6 +140,8 @@ class ControlClient:
         on_interrupt: Called from the background thread when the coordinator announces a fault
             whose new generation will come later (a spare is awaited): ``generation``, ``lost``,
             ``wait_s``.
+        on_coordinators_lost: Called from the background thread when the node's agent says no
+            coordinator is left (``addresses``, ``silent_s``).
     """
 
     def __init__(
@@ -130,12 +151,17 @@ class ControlClient:
         on_generation: Callable[[dict[str, Any]], None] | None = None,
         on_shutdown: Callable[[dict[str, Any]], None] | None = None,
         on_interrupt: Callable[[dict[str, Any]], None] | None = None,
+        on_coordinators_lost: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self._on_generation = on_generation
         self._on_shutdown = on_shutdown
         self._on_interrupt = on_interrupt
+        self._on_coordinators_lost = on_coordinators_lost
+        self._agent_fd = config.agent_fd
+        self._agent_lines = protocol.LocalLines()
+        self._agent_lock = threading.Lock()
         self.events = EventLog(config.run_dir, config.identity)
         self.secret = protocol.read_secret(config.secret_file)
         """The job's secret: it also signs this process's requests to the rendezvous store."""
@@ -174,11 +200,41 @@ class ControlClient:
         """Append an event to the job's event log (source: this process's identity)."""
         self.events.write(name, **fields)
 
-    def report_done(self, checkpoint_step: int | None = None) -> None:
-        """Tell the coordinator this rank completed its training and is about to exit;
-        ``checkpoint_step``: it is leaving a stopping job, having written that checkpoint."""
+    def report_done(
+        self, checkpoint_step: int | None = None, checkpoint_root: str | None = None
+    ) -> None:
+        """Tell the coordinator this rank completed its training and is about to exit.
+
+        Args:
+            checkpoint_step: It is leaving a stopping job, having written its part of the
+                checkpoint of that step (the node's agent is told too, with
+                ``checkpoint_root``: where the checkpoint is).
+            checkpoint_root: Where that checkpoint is.
+        """
         body = {} if checkpoint_step is None else {"checkpoint_step": int(checkpoint_step)}
         self._post(protocol.DONE, body)
+        if checkpoint_step is not None:
+            self.tell_agent(
+                protocol.STOPPED, {"step": int(checkpoint_step), "root": str(checkpoint_root)}
+            )
+
+    def report_no_checkpoint(self, reason: str) -> None:
+        """Tell the node's agent this rank leaves a stopping job without a checkpoint, and why
+        (the reason names the last complete one)."""
+        self.tell_agent(protocol.STOPPED, {"reason": reason[:1000]})
+
+    def tell_agent(self, type_: str, body: dict[str, Any]) -> None:
+        """Send one message to the node's agent (nothing without one; a gone agent is
+        logged)."""
+        if self._agent_fd is None:
+            return
+        data = protocol.encode_local(type_, body)
+        try:
+            with self._agent_lock:
+                while data:
+                    data = data[os.write(self._agent_fd, data) :]
+        except OSError as e:
+            logger.warning("could not tell the node's agent %s: %s", type_, e)
 
     def ack(self, generation: int) -> None:
         """Acknowledge a generation (after this rank has joined it)."""
@@ -194,7 +250,8 @@ class ControlClient:
         return self.store_host, self.store_port
 
     def next_event(self, timeout_s: float) -> tuple[str, dict[str, Any]]:
-        """The next ``(type, body)`` from the coordinator (``generation`` or ``shutdown``).
+        """The next ``(type, body)`` from the coordinator (``generation`` or ``shutdown``), or
+        ``coordinators_lost`` from the node's agent.
 
         Raises:
             ControlPlaneTimeout: nothing arrived within ``timeout_s``.
@@ -227,6 +284,8 @@ class ControlClient:
             kind, body = self.next_event(remaining)
             if kind == protocol.SHUTDOWN:
                 raise RuntimeError(f"the job ended before this spare was needed: {body}")
+            if kind == protocol.COORDINATORS_LOST:
+                raise RuntimeError(f"no coordinator is left before this spare was needed: {body}")
             if kind == protocol.GENERATION and self.config.identity in body["ranks"].values():
                 self.rank = next(
                     int(r) for r, i in body["ranks"].items() if i == self.config.identity
@@ -276,6 +335,8 @@ class ControlClient:
         for sock in links.sockets.values():
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._agent_fd is not None:
+            poller.register(self._agent_fd, zmq.POLLIN)
         hello = {"role": self.config.role, "node": self.config.node, "pid": os.getpid()}
         if self.rank is not None:
             hello["rank"] = self.rank
@@ -296,6 +357,8 @@ class ControlClient:
                 for item, _ in poller.poll(timeout_ms):
                     if item == self._wake_r:
                         os.read(self._wake_r, 4096)
+                    elif item == self._agent_fd:
+                        self._from_agent(poller)
                     else:
                         self._receive(links, item, poller)
                 self._flush(links)
@@ -306,6 +369,27 @@ class ControlClient:
         finally:
             links.close()
             ctx.term()
+
+    def _from_agent(self, poller: zmq.Poller) -> None:
+        try:
+            data = os.read(self._agent_fd, 65536)
+        except OSError as e:
+            data = b""
+            logger.warning("the channel to the node's agent failed: %s", e)
+        if not data:  # the agent is gone (this process dies with it: PR_SET_PDEATHSIG)
+            poller.unregister(self._agent_fd)
+            return
+        for msg in self._agent_lines.feed(data):
+            if msg["type"] != protocol.COORDINATORS_LOST:
+                continue
+            body = {k: v for k, v in msg.items() if k != "type"}
+            self.events.write("coordinators_lost", **body)
+            self.inbox.put((protocol.COORDINATORS_LOST, body))
+            if self._on_coordinators_lost is not None:
+                try:
+                    self._on_coordinators_lost(body)
+                except Exception:
+                    logger.exception("coordinators_lost callback failed")
 
     def _flush(self, links: CoordinatorLinks) -> None:
         while True:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import stat
@@ -71,6 +72,9 @@ ENV_HEARTBEAT_INTERVAL = "P2P_HEARTBEAT_INTERVAL"
 ENV_RUN_DIR = "P2P_RUN_DIR"
 ENV_AGENT_PID = "P2P_AGENT_PID"
 """Pid of the node's agent (the parent of every rank and spare it starts)."""
+ENV_AGENT_FD = "P2P_AGENT_FD"
+"""The process's end of its local channel to the node's agent (a file descriptor; see
+:class:`LocalLines`)."""
 
 # The engine settings p2p-run passes to ranks (``p2p_state.protect``'s defaults).
 ENV_REPLICAS = "P2P_REPLICAS"
@@ -123,6 +127,13 @@ CHILDREN = "children"  # agent -> a coordinator that took over: {"identities"} o
 CHALLENGE = "challenge"  # coordinator -> a process whose hello/scale carried another run's
 # nonce, or whose message came on a connection it has not said hello on: say hello again, with
 # the run nonce of this message's envelope
+
+# The local channel between a node's agent and each process it starts (a Unix socket pair the
+# agent creates per child, never a network socket): JSON lines ``{"type", **body}``.
+COORDINATORS_LOST = "coordinators_lost"  # agent -> child: {"addresses", "silent_s"}: no
+# coordinator is left; the ranks stop at a step they agree on, with a checkpoint
+STOPPED = "stopped"  # child -> agent: {"step", "root"}: it wrote its part of the checkpoint of
+# the step the job stopped at; or {"reason"}: it could not (the reason names the last checkpoint)
 
 TYPES = frozenset(
     {
@@ -631,3 +642,37 @@ class Codec:
         if sender in self._last_seen:
             epoch, _ = self._last_seen[sender]
             self._last_seen[sender] = (epoch + 1, 0)
+
+
+#: Longest line accepted on the local channel (a longer one is dropped).
+MAX_LOCAL_LINE_BYTES = 64 * 1024
+
+
+def encode_local(type_: str, body: dict[str, Any]) -> bytes:
+    """One message of the local channel between an agent and its process."""
+    return json.dumps({**body, "type": type_}).encode() + b"\n"
+
+
+class LocalLines:
+    """Splits what the local channel brings into messages; malformed lines are dropped."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """The complete messages ``data`` ends (a partial line waits for the rest)."""
+        *lines, self._buf = (self._buf + data).split(b"\n")
+        if len(self._buf) > MAX_LOCAL_LINE_BYTES:
+            logger.warning("dropped a local message of over %d bytes", MAX_LOCAL_LINE_BYTES)
+            self._buf = b""
+        out = []
+        for line in lines:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                msg = None
+            if isinstance(msg, dict) and isinstance(msg.get("type"), str):
+                out.append(msg)
+            elif line.strip():
+                logger.warning("dropped a malformed local message: %r", line[:200])
+        return out

@@ -55,9 +55,9 @@ from recovery.planner import Source
 from recovery.rebuild import Restore, build_training, restore_state
 from recovery.replication import JobReplication
 from recovery.restore import describe_census, gather_copies
-from recovery.session import GenerationInfo, JobEnded, Session
+from recovery.session import STOP_SIGNAL, CoordinatorsLost, GenerationInfo, JobEnded, Session
 from recovery.source import RestoreSource, choose_restore_source
-from recovery.stop import stop_with_checkpoint
+from recovery.stop import last_checkpoint, stop_with_checkpoint
 from recovery.warmup import Build, capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,12 @@ class ProtectedJob:
             )
         if dist.get_rank() == 0:
             self._session.event("step_done", step=step)
-        if previous is not None and self._copies.agreed_generation(previous) is not None:
+        if previous is None:
+            return
+        target = self._copies.agreed_generation(previous)
+        if target == STOP_SIGNAL:
+            self._stop_without_coordinator(step)
+        elif target is not None:
             self._switch(step)
 
     # -- starting ------------------------------------------------------------------------------
@@ -378,6 +383,9 @@ class ProtectedJob:
             self._session.report_failure(f"{short(cause)}; {e}", fatal=False)
             self._shutdown()
             raise RecoveryFailed(str(e)) from cause
+        except CoordinatorsLost as e:
+            self._shutdown()
+            raise self._no_stop_checkpoint(e, cause) from None
         except JobEnded:
             self._shutdown()
             raise
@@ -385,7 +393,11 @@ class ProtectedJob:
     def _switch(self, step: int) -> None:
         """Move to the graceful generation agreed on, after ``step`` committed everywhere."""
         t0 = time.monotonic()
-        info = self._session.next_generation(self.config.fault_wait_s, after=self.generation)
+        try:
+            info = self._session.next_generation(self.config.fault_wait_s, after=self.generation)
+        except CoordinatorsLost as e:
+            self._shutdown()
+            raise self._no_stop_checkpoint(e, None) from None
         rec = RecoveryRecord(info.generation, "resize", started_t=t0)
         self._copies.stop_for_resize()
         try:
@@ -516,6 +528,67 @@ class ProtectedJob:
         )
         self._shutdown()
         raise stopped
+
+    def _stop_without_coordinator(self, step: int) -> None:
+        """No coordinator is left and every rank agreed, through the commit of replication,
+        to stop after ``step``: write it as the stop checkpoint and end the job.
+
+        Raises:
+            JobStopped: always, once the checkpoint is written.
+        """
+        assert self.state is not None
+        # A periodic save of this very step began in after_step(): it is the stop checkpoint.
+        # Any other in flight ends first (its collectives run on the same group). Every rank
+        # decides alike: the steps saved are the same everywhere.
+        ckpt = self.config.checkpoint
+        written = (
+            self.checkpointer is not None and ckpt is not None and step % ckpt.every_steps == 0
+        )
+        self._copies.wait_checkpoint()
+        lost = self._session.coordinators_lost or []
+        stopped = stop_with_checkpoint(
+            self._session,
+            self.config,
+            self.state,
+            step,
+            self._extras(),
+            group=self._existing_checkpoint_group(),
+            source=None,  # every rank of this generation holds its own state of ``step``
+            stores=self._copies.stores.all,
+            reason=f"no coordinator is left ({', '.join(lost)}); the ranks agreed to stop "
+            f"after step {step}",
+            written=written,
+        )
+        self._shutdown()
+        raise stopped
+
+    def _existing_checkpoint_group(self) -> dist.ProcessGroup:
+        """A group of this generation to checkpoint on that exists already: with no
+        coordinator, no store is left to form a new one through. The checkpoint group if the
+        job checkpoints, else the default group (no collective is in flight on it between
+        steps)."""
+        comms = self._session.comms
+        assert comms is not None and comms.default is not None  # a member has its groups
+        return comms.groups.get("checkpoint", comms.default)
+
+    def _no_stop_checkpoint(
+        self, lost: CoordinatorsLost, cause: BaseException | None
+    ) -> RecoveryFailed:
+        """No coordinator is left and this generation could not agree on a step to stop at
+        (a fault broke its groups): say so, naming the last complete checkpoint."""
+        reason = (
+            f"the ranks could not agree on a step to stop at (generation {self.generation} "
+            "broke: a rank is lost or hung too), so no stop checkpoint was written; "
+            f"{last_checkpoint(self.config)}"
+        )
+        self._session.event(
+            "stop_checkpoint_missed",
+            reason=reason,
+            cause=short(cause) if cause is not None else "a resize was pending",
+        )
+        if self._session.client is not None:
+            self._session.client.report_no_checkpoint(reason)
+        return RecoveryFailed(f"{lost.reason}: {reason}")
 
     # -- plumbing ------------------------------------------------------------------------------
 

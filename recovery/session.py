@@ -42,6 +42,20 @@ class JobEnded(RuntimeError):
         self.reason = reason
 
 
+class CoordinatorsLost(JobEnded):
+    """No coordinator is left (the node's agent heard none for ``--coordinator-timeout``): no
+    generation will ever come again."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__(1, f"no coordinator is left ({', '.join(addresses)})")
+        self.addresses = addresses
+
+
+#: The replication signal of a rank that must stop (:meth:`Session.pending_graceful`): above
+#: any generation, so the round's agreement (a maximum) makes every rank stop at the same step.
+STOP_SIGNAL = 1 << 40
+
+
 class NotAMember(RuntimeError):
     """The new generation has no place for this process (it was given back by a resize)."""
 
@@ -118,6 +132,7 @@ class Session:
         self._latest_urgent = 0
         self._notice: dict[str, Any] | None = None
         self._shutdown: dict[str, Any] | None = None
+        self._lost: list[str] | None = None
         self.client: ControlClient | None = None
         if client_config is not None:
             start_rank = int(os.environ["RANK"]) if client_config.role == "rank" else None
@@ -127,6 +142,7 @@ class Session:
                 on_generation=self._on_generation,
                 on_shutdown=self._on_shutdown,
                 on_interrupt=self._on_interrupt,
+                on_coordinators_lost=self._on_coordinators_lost,
             )
 
     @property
@@ -202,6 +218,13 @@ class Session:
             self._cond.notify_all()
         self._abort_older_than(1 << 62)
 
+    def _on_coordinators_lost(self, body: dict[str, Any]) -> None:
+        # Nothing is aborted: the groups are how the ranks agree on the step they stop at.
+        addresses = body.get("addresses")
+        with self._cond:
+            self._lost = [str(a) for a in addresses] if isinstance(addresses, list) else []
+            self._cond.notify_all()
+
     def _abort_older_than(self, generation: int) -> None:
         comms = self.comms
         if comms is not None and comms.generation < generation:
@@ -237,10 +260,22 @@ class Session:
             return None
 
     def pending_graceful(self) -> int:
-        """The newest graceful generation waiting for this process's switch (0 if none)."""
+        """The newest graceful generation waiting for this process's switch (0 if none), or
+        :data:`STOP_SIGNAL` once no coordinator is left.
+
+        This is what the rank gives each replication round's commit; the round agrees on the
+        largest value given, so every rank switches, or stops, after the same step."""
         with self._cond:
+            if self._lost is not None:
+                return STOP_SIGNAL
             current = self.info.generation if self.info else 0
             return self._latest if self._latest > current else 0
+
+    @property
+    def coordinators_lost(self) -> list[str] | None:
+        """The coordinators' addresses once the node's agent said none is left, else None."""
+        with self._cond:
+            return self._lost
 
     def next_generation(self, timeout_s: float, after: int | None = None) -> GenerationInfo:
         """Wait for a generation newer than the current one (or than ``after``: one that could
@@ -251,12 +286,15 @@ class Session:
 
         Raises:
             JobEnded: the coordinator ended the job.
+            CoordinatorsLost: no coordinator is left: no generation will come.
             TimeoutError: nothing arrived in time (names ``timeout_s``'s setting).
         """
         assert self.client is not None, "a standalone session has no generations to wait for"
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
+                if self._lost is not None:
+                    raise CoordinatorsLost(self._lost)
                 if self._shutdown is not None:
                     raise JobEnded(
                         int(self._shutdown.get("code", 1)), str(self._shutdown.get("reason"))

@@ -1,8 +1,12 @@
-"""The checkpoint a job writes when it must stop (no spare came in time and it may not shrink).
+"""The checkpoint a job writes when it must stop.
 
-Every member restores the newest state first, then writes it as a cold checkpoint with every
+The coordinator stops a job that cannot go on (no spare came in time and it may not shrink):
+every member restores the newest state first, then writes it as a cold checkpoint with every
 rank's RNG, schedule and extras of the world the state came from, lost ranks' included (from
 the copies held of them), so a job resumed at that size continues exactly.
+
+A job whose coordinators are all lost stops by itself: its ranks agree on a step through the
+commit of replication (:mod:`recovery.job`) and write their own states of that step.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch.distributed as dist
 from launcher.protocol import ENV_RUN_DIR
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
-from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
+from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
 from recovery.config import RecoveryConfig
 from recovery.errors import JobStopped
 from recovery.planner import Source, shard_layout
@@ -48,22 +52,38 @@ def stop_with_checkpoint(
     source: Source | None,
     stores: Sequence[Replicator],
     reason: str,
+    written: bool = False,
 ) -> JobStopped:
-    """Write the restored ``step`` as the stop checkpoint and tell the coordinator.
+    """Write ``step`` as the stop checkpoint and tell the coordinator and the node's agent.
 
     Args:
-        reason: Why the coordinator stops the job.
+        reason: Why the job stops.
+        written: The periodic checkpoint of ``step`` is complete already: it is the stop
+            checkpoint.
 
     Returns:
         The ending to raise once the job has shut down.
     """
     root = stop_checkpoint_root(config)
-    write_stop_checkpoint(root, state, step, extras, group=group, source=source, stores=stores)
+    if not written:
+        write_stop_checkpoint(root, state, step, extras, group=group, source=source, stores=stores)
     session.event("stop_checkpoint_written", step=step, root=root)
     if session.client is not None:
-        session.client.report_done(checkpoint_step=step)
+        session.client.report_done(checkpoint_step=step, checkpoint_root=root)
     logger.error("the job stops: %s; a checkpoint of step %d is in %s", reason, step, root)
     return JobStopped(f"{reason}; a checkpoint of step {step} is in {root}")
+
+
+def last_checkpoint(config: RecoveryConfig) -> str:
+    """Which complete checkpoint a job that stops without one leaves behind, in words."""
+    root = stop_checkpoint_root(config)
+    steps = complete_steps(root)
+    if not steps:
+        return f"there is no complete checkpoint in {root}"
+    return (
+        f"the last complete checkpoint is step {steps[-1]} in {root} (resume with p2p-run "
+        f"--checkpoint-dir {root} --resume)"
+    )
 
 
 def write_stop_checkpoint(

@@ -89,6 +89,15 @@ def test_losing_both_coordinators_stops_every_node(start_job):
     assert codes == [1, 1]
     assert len(job.events("coordinator_lost")) == 2
     wait_for(lambda: not any(alive(p) for p in pids), "every rank and spare to exit", 15)
+    # Each process was told and left by itself (these hold no state: nothing to checkpoint).
+    assert len(job.events("coordinators_lost")) == len(pids)
+    assert {e["code"] for e in job.events("process_exited")} == {0}
+    address = f"127.0.0.1:{job.coordinator_info()['port']}"
+    for node in (0, 1):
+        printed = [ln for ln in job.output(node).splitlines() if ln.startswith("p2p-run:")]
+        assert len(printed) == 1 and "no word from any coordinator" in printed[0], printed
+        assert address in printed[0] and standby["address"] in printed[0]
+        assert "nothing was left to checkpoint" in printed[0]
 
 
 def test_two_standbys_take_over_one_after_the_other(start_job):

@@ -156,6 +156,7 @@ def test_a_coordinator_that_receives_a_newer_term_stops(coordinator):
     [
         ("kill-coordinator@step=4", "kill-coordinator", 4, "forward"),
         ("hang-coordinator@recovery=1:phase=build", "hang-coordinator", 1, "build"),
+        ("kill-coordinators@step=2", "kill-coordinators", 2, "forward"),
     ],
 )
 def test_coordinator_faults_parse_and_print_back(spec, kind, at, phase):
@@ -259,3 +260,51 @@ def test_a_standby_left_behind_by_another_ones_takeover_follows_the_winner(stand
     assert standby.codec.term == 1 and not standby._votes
     standby._standby_tick()
     assert standby.codec.term == 1, "it waits for the new active one, it does not elect"
+
+
+def _agent_config(**kw):
+    from launcher.agent import AgentConfig
+
+    return AgentConfig(
+        node_rank=0,
+        nnodes=2,
+        nproc_per_node=2,
+        spares=0,
+        command=("train.py",),
+        coordinator="10.0.0.1:29400",
+        job_id="j",
+        secret_file="/run/secret",
+        run_dir="/run",
+        **kw,
+    )
+
+
+def test_with_no_coordinator_left_a_node_says_in_one_line_where_the_checkpoint_is():
+    from launcher.agent import stop_line
+
+    where = ["10.0.0.1:29400", "10.0.0.2:29400"]
+    cfg = _agent_config(stop_checkpoint_timeout_s=90.0)
+    written = {f"rank/0/{i}": {"step": 41, "root": "/ckpt"} for i in (1, 2)}
+    line = stop_line(where, 30.4, written, [], cfg)
+    assert line == (
+        "no word from any coordinator (10.0.0.1:29400, 10.0.0.2:29400) for 30s: the ranks "
+        "stopped at step 41 with a checkpoint in /ckpt; resume with p2p-run --checkpoint-dir "
+        "/ckpt --resume (and this job's secret)"
+    )
+    missed = {"rank/0/1": {"reason": "the ranks could not agree; the last complete one is 40"}}
+    assert stop_line(where, 30.0, missed, [], cfg).endswith(": " + missed["rank/0/1"]["reason"])
+    late = stop_line(where, 30.0, {}, ["rank/0/1"], cfg)
+    assert "wrote no checkpoint within 90s (--stop-checkpoint-timeout)" in late
+    assert "nothing was left to checkpoint" in stop_line(where, 30.0, {}, [], cfg)
+    assert all("\n" not in x for x in (line, late))
+
+
+def test_the_local_channel_splits_lines_and_drops_what_is_malformed():
+    lines = protocol.LocalLines()
+    msg = protocol.encode_local(protocol.STOPPED, {"step": 7, "root": "/c"})
+    assert lines.feed(msg[:5]) == []  # a partial line waits for the rest
+    assert lines.feed(msg[5:] + b"not json\n[1]\n") == [
+        {"step": 7, "root": "/c", "type": protocol.STOPPED}
+    ]
+    assert lines.feed(b"x" * (protocol.MAX_LOCAL_LINE_BYTES + 1)) == []  # dropped, not kept
+    assert lines.feed(msg) == [{"step": 7, "root": "/c", "type": protocol.STOPPED}]

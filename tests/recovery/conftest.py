@@ -20,6 +20,7 @@ def run(
     faults: tuple[str, ...] = (),
     spares: tuple[int, int] = (1, 0),
     launcher_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> JobOutcome:
     """The example job (tiny model) on 2 emulated nodes x 2 ranks, with ``faults`` injected."""
     return run_example(
@@ -29,6 +30,7 @@ def run(
         spares=spares,
         cache_dir=str(cache_dir),
         launcher_args=launcher_args,
+        env=env,
         timeout_s=JOB_DEADLINE_S,
         heartbeat_interval_s=0.1,
         heartbeat_timeout_s=3.0,

@@ -15,12 +15,21 @@ from unittest import mock
 
 import pytest
 
+from launcher.client import ControlClient
 from p2p_state import api
 from recovery.comms import Comms
+from recovery.config import RecoveryConfig
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed, exit_code_of
 from recovery.job import ProtectedJob
 from recovery.restore import NoSurvivingCopy
-from recovery.session import GenerationInfo, JobEnded, NotAMember, Session
+from recovery.session import (
+    STOP_SIGNAL,
+    CoordinatorsLost,
+    GenerationInfo,
+    JobEnded,
+    NotAMember,
+    Session,
+)
 
 GLOO_PEER_CLOSED = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
 
@@ -189,6 +198,36 @@ def test_a_job_the_coordinator_ended_leaves_with_its_code(session):
     with pytest.raises(JobEnded) as e:
         _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
     assert exit_code_of(e.value) == 3
+
+
+def test_no_coordinator_left_during_a_recovery_ends_naming_the_last_checkpoint(session, tmp_path):
+    session.next_generation.side_effect = CoordinatorsLost(["10.0.0.1:29400", "10.0.0.2:29400"])
+    session.client = mock.create_autospec(ControlClient, instance=True)
+    job, _ = _job(session)
+    job.config = RecoveryConfig(emergency_checkpoint_root=str(tmp_path))
+    with pytest.raises(RecoveryFailed) as e:
+        _train(job, {2: RuntimeError(GLOO_PEER_CLOSED)})
+    assert exit_code_of(e.value) == 1
+    assert str(e.value).startswith("no coordinator is left (10.0.0.1:29400, 10.0.0.2:29400): ")
+    assert "could not agree on a step to stop at" in str(e.value)
+    assert f"there is no complete checkpoint in {tmp_path}" in str(e.value)
+    (reason,) = session.client.report_no_checkpoint.call_args.args
+    assert reason in str(e.value)
+    job._shutdown.assert_called()
+
+
+def test_once_no_coordinator_is_left_every_round_asks_to_stop_and_no_generation_comes():
+    session = Session(None, timeout_s=5.0, device_type="cpu")
+    session.info = _info(3)
+    assert session.pending_graceful() == 0 and session.coordinators_lost is None
+    session._on_coordinators_lost({"addresses": ["10.0.0.1:29400"], "silent_s": 30.0})
+    # Above any generation, so the round's agreement (a maximum) is a stop on every rank.
+    assert session.pending_graceful() == STOP_SIGNAL > 1 << 32
+    assert session.coordinators_lost == ["10.0.0.1:29400"]
+    assert not session.interrupted  # training goes on to the step the ranks agree on
+    session.client = mock.create_autospec(ControlClient, instance=True)
+    with pytest.raises(CoordinatorsLost, match=r"no coordinator is left \(10.0.0.1:29400\)"):
+        session.next_generation(60.0)
 
 
 def test_a_configuration_error_at_the_start_ends_the_whole_job(session):

@@ -11,8 +11,10 @@ import copy
 import pytest
 
 from bench.runner import JobOutcome
+from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS
 from recovery.checkpoint import complete_steps
 from recovery.phases import PEER_RECOVERY_PHASES
+from tests.jobs import alive
 from tests.recovery.conftest import NUM_STEPS, assert_bitwise, run
 
 pytestmark = pytest.mark.slow
@@ -211,3 +213,100 @@ def test_no_spare_stops_with_a_checkpoint_that_a_resumed_job_continues_bitwise(
     for result in resumed.results.values():
         assert min(map(int, result["steps"])) == written + 1
     assert NUM_STEPS == 8
+
+
+# Steps of at least 2.5 s: the job is still training when the agents give up on the
+# coordinators (--coordinator-timeout 6 s) and its ranks agree on a step (two rounds later).
+PACED = {ENV_JOB_HOOKS: "bench.resize_bench:pace", ENV_BENCH_STEP_S: "2.5"}
+NO_COORDINATOR = ("--coordinator-timeout", "6")
+
+
+@pytest.mark.parametrize("periodic", [False, True], ids=["no-checkpoints", "every-step"])
+def test_losing_every_coordinator_stops_at_an_agreed_step_with_a_checkpoint_resumed_bitwise(
+    tmp_path, data_cache, reference, periodic
+):
+    # Without --checkpoint-dir the stop checkpoint goes to <run-dir>/checkpoints; with a
+    # checkpoint every step, the periodic save of the step the ranks stop at is the stop
+    # checkpoint (waited for, not written twice).
+    ckpt = tmp_path / "stopped" / ("ckpt" if periodic else "checkpoints")
+    every_step = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "1") if periodic else ()
+    stopped = run(
+        tmp_path / "stopped",
+        data_cache,
+        faults=("kill-coordinators@step=2",),
+        launcher_args=(*NO_COORDINATOR, "--stop-checkpoint-timeout", "120", *every_step),
+        env=PACED,
+    )
+    assert stopped.codes == [1, 1], stopped.job.output(0)[-3000:]
+    # Every rank wrote its part of the checkpoint of the same step, agreed on without any
+    # coordinator, and left by itself (none was stopped by its agent's deadline).
+    written = stopped.events("stop_checkpoint_written")
+    assert sorted(e["source"] for e in written) == sorted(
+        e["identity"] for e in stopped.events("process_started", role="rank")
+    )
+    (step,) = {e["step"] for e in written}
+    assert 2 <= step < NUM_STEPS
+    assert complete_steps(str(ckpt)) == (list(range(1, step + 1)) if periodic else [step])
+    exits = stopped.events("process_exited")
+    assert {e["code"] for e in exits if e["rank"] is not None} == {1}
+    assert {e["code"] for e in exits if e["rank"] is None} == {0}  # the spare: nothing to save
+    assert not any(alive(p) for p in stopped.job.all_pids())
+    for node in (0, 1):
+        printed = [
+            line for line in stopped.job.output(node).splitlines() if line.startswith("p2p-run:")
+        ]
+        assert len(printed) == 1, stopped.job.output(node)[-3000:]
+        assert "no word from any coordinator" in printed[0]
+        assert f"stopped at step {step} with a checkpoint in {ckpt}" in printed[0]
+        assert f"--checkpoint-dir {ckpt} --resume" in printed[0]
+
+    resumed = run(
+        tmp_path / "resumed",
+        data_cache,
+        spares=(0, 0),
+        launcher_args=(
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--secret-file",
+            str(stopped.job.run_dir / "secret"),
+        ),
+    )
+    assert_bitwise(resumed, reference)
+    for result in resumed.results.values():
+        assert min(map(int, result["steps"])) == step + 1
+
+
+def test_losing_every_coordinator_and_a_rank_names_the_last_complete_checkpoint(
+    tmp_path, data_cache
+):
+    ckpt = tmp_path / "ckpt"
+    outcome = run(
+        tmp_path,
+        data_cache,
+        faults=("kill-coordinators@step=2", "kill:rank=3@step=3"),
+        launcher_args=(
+            *NO_COORDINATOR,
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "1",
+            "--stop-checkpoint-timeout",
+            "120",
+        ),
+        env=PACED,
+    )
+    assert outcome.codes == [1, 1], outcome.job.output(0)[-3000:]
+    assert not outcome.events("stop_checkpoint_written")
+    missed = outcome.events("stop_checkpoint_missed")
+    assert sorted(e["source"] for e in missed) == ["rank/0/1", "rank/0/2", "rank/1/1"]
+    assert not any(alive(p) for p in outcome.job.all_pids())
+    for node in (0, 1):
+        printed = [
+            line for line in outcome.job.output(node).splitlines() if line.startswith("p2p-run:")
+        ]
+        assert len(printed) == 1, outcome.job.output(node)[-3000:]
+        assert "could not agree on a step to stop at" in printed[0]
+        last = int(printed[0].split("the last complete checkpoint is step ")[1].split()[0])
+        assert last in complete_steps(str(ckpt)) and last >= 1
+        assert f"--checkpoint-dir {ckpt} --resume" in printed[0]

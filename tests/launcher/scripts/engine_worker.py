@@ -1,7 +1,8 @@
 """A rank (or spare) that speaks the control plane and does no training: for launcher tests.
 
-It acknowledges every generation and exits 0 when the job shuts down or when ``stop`` appears in
-the run directory. ``--import-torch`` makes it import torch first, as a real spare would.
+It acknowledges every generation and exits 0 when the job shuts down, when its agent says no
+coordinator is left, or when ``stop`` appears in the run directory. ``--import-torch`` makes it
+import torch first, as a real spare would.
 """
 
 import os
@@ -17,7 +18,10 @@ rank = int(os.environ["RANK"]) if config.role == "rank" else None
 client = ControlClient(config, rank=rank)
 try:
     if config.role == "spare":
-        assigned = client.wait_for_assignment(timeout_s=600)
+        try:
+            assigned = client.wait_for_assignment(timeout_s=600)
+        except RuntimeError:  # the job ended, or lost every coordinator, before it was needed
+            sys.exit(0)
         client.ack(assigned["generation"])
     stop_file = os.path.join(os.environ["P2P_RUN_DIR"], "stop")
     while not os.path.exists(stop_file):
@@ -27,7 +31,7 @@ try:
             continue
         if kind == "generation":
             client.ack(body["generation"])
-        elif kind == "shutdown":
+        elif kind in ("shutdown", "coordinators_lost"):
             break
 finally:
     client.close()
