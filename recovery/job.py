@@ -19,11 +19,11 @@ Recovery (:meth:`ProtectedJob._recover`) follows the steps of ``docs/recovery.md
 on (the coordinator detects and decides): it breaks this generation's groups (*interrupt*), waits
 for the coordinator's next generation and joins its groups (*communicators*), takes the census of
 the copies the members hold and chooses where the state comes from (*census and plan*), rebuilds
-the model, optimizer and scheduler from the factory on the new groups (*build*: FSDP2 binds its
-process group when ``fully_shard`` runs, and a step cut short leaves FSDP's internal state
-half-way, so nothing of the old wrapping is reused), restores every member's state (*transfer and
-restore*) and restarts replication (*replicate*). A fault during recovery starts it again with the
-next generation.
+the model, optimizer and scheduler from the factory on the new groups (*build*), restores every
+member's state (*transfer and restore*) and restarts replication (*replicate*); the
+:class:`recovery.rebuild.Rebuilder` does the census, build and restore, the
+:class:`recovery.replication.JobReplication` the replication. A fault during recovery starts it
+again with the next generation.
 
 What to do about an exception is :func:`recovery.faults.decide`'s; the job's endings are the
 exceptions of :mod:`recovery.errors`, which the entry point turns into exit codes.
@@ -43,21 +43,18 @@ import torch.distributed as dist
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery import phases
-from recovery.checkpoint import ColdCheckpointer, complete_steps
+from recovery.checkpoint import ColdCheckpointer
 from recovery.comms import Interrupted
-from recovery.config import CAUSE_JOINED, RecoveryConfig, RecoveryRecord
-from recovery.devices import snapshot_device, training_device, wire_device
+from recovery.config import RecoveryConfig
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed
 from recovery.faults import Action, decide, short, without_frames
 from recovery.hooks import Hook, JobHooks, hooks_from_env
-from recovery.planner import Source
-from recovery.rebuild import Restore, build_training, restore_state
+from recovery.rebuild import Built, Rebuilder
+from recovery.records import CAUSE_JOINED, RecoveryLog, RecoveryRecord
 from recovery.replication import JobReplication
-from recovery.restore import gather_copies
 from recovery.session import GenerationInfo, JobEnded, Session
-from recovery.source import RestoreSource, choose_restore_source
 from recovery.stop import stop_with_checkpoint
-from recovery.warmup import Build, capture_rng, restore_rng
+from recovery.warmup import Build
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +89,6 @@ class ProtectedJob:
                 "they are rebuilt on the new process groups"
             )
         self._session = session
-        self._build = build
         self.loader = loader
         self.config = config or RecoveryConfig()
         self.max_steps = max_steps
@@ -104,16 +100,12 @@ class ProtectedJob:
         self.state: TrainingState | None = None
         self.step_done = 0
         """The last completed step (the iterator yields ``step_done + 1`` next)."""
-        self.recoveries: list[RecoveryRecord] = []
         self._hooks = JobHooks()
         self._copies = JobReplication(session, self.config, self._hooks)
+        self._log = RecoveryLog(session)
+        self._rebuild = Rebuilder(session, self.config, build, self._copies, self._hooks)
         self._current: int | None = None
         """The step the iterator yielded and whose guard has not ended yet."""
-        self._first_step_pending: RecoveryRecord | None = None
-        self._source: Source | None = None
-        """Which peers' state the last restore took (``None``: a checkpoint or the initial)."""
-        self._initial_rng: dict[str, Any] = {}
-        self._initial_loader: dict[str, Any] | None = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -138,6 +130,11 @@ class ProtectedJob:
         return self._copies.checkpointer
 
     @property
+    def recoveries(self) -> list[RecoveryRecord]:
+        """The recoveries this rank lived through, in order."""
+        return self._log.records
+
+    @property
     def generation(self) -> int:
         """The membership generation this rank trains in."""
         info = self._session.info
@@ -155,8 +152,7 @@ class ProtectedJob:
         self._hooks.add(hook)
 
     def __enter__(self) -> ProtectedJob:
-        self._initial_rng = capture_rng()
-        self._initial_loader = self.loader.state_dict() if self.loader is not None else None
+        self._rebuild.remember_initial(self.loader)
         try:
             info = self._session.info
             if info is not None and info.generation > 1:
@@ -252,57 +248,27 @@ class ProtectedJob:
         agreed on."""
         previous = self._copies.after_step(step, self._extras)
         self.step_done = step
-        if self._first_step_pending is not None:
-            rec = self._first_step_pending
-            self._first_step_pending = None
-            self._session.event(
-                "first_step_done",
-                generation=rec.generation,
-                step=step,
-                since_fault_s=time.monotonic() - rec.started_t,
-            )
-        if dist.get_rank() == 0:
-            self._session.event("step_done", step=step)
+        self._log.step_done(step, dist.get_rank())
         if previous is not None and self._copies.agreed_generation(previous) is not None:
             self._switch(step)
 
     # -- starting ------------------------------------------------------------------------------
 
     def _fresh_start(self) -> None:
-        ckpt = self.config.checkpoint
-        if ckpt is not None and not self.config.resume and complete_steps(ckpt.root):
-            raise ConfigurationError(
-                f"the checkpoint directory {ckpt.root} already holds checkpoints of steps "
-                f"{complete_steps(ckpt.root)}: resume from them (p2p-run --resume) or give "
-                "this job an empty directory"
-            )
-        state = self._build_state()
+        self._rebuild.check_fresh_start()
+        state = self._take(self._rebuild.build())
         step, extras = 0, self._extras()
         if self.config.resume:
-            assert ckpt is not None  # RecoveryConfig checks that resume has a checkpoint
-            loaded = ColdCheckpointer(ckpt, state, group=self._copies.checkpoint_group())
-            step, extras = loaded.load()
+            step, extras = self._rebuild.resume(state)
             self._apply_extras(extras)
             logger.info("rank %d resumed from the checkpoint of step %d", dist.get_rank(), step)
-        self._start_replication(step, extras)
+        self._copies.start(state, step, extras, recovering=False)
+        self.step_done = step
 
-    def _build_state(self, *, restore_from: RestoreSource | None = None) -> TrainingState:
-        built = build_training(
-            self._build,
-            blob_capacity_bytes=self.config.replication.blob_capacity_bytes,
-            restore_from=restore_from,
-            hooks=self._hooks,
-        )
+    def _take(self, built: Built) -> TrainingState:
         self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
         self.state = built.state
         return built.state
-
-    def _start_replication(
-        self, step: int, extras: dict[str, Any], *, recovering: bool = False
-    ) -> None:
-        assert self.state is not None
-        self._copies.start(self.state, step, extras, recovering=recovering)
-        self.step_done = step
 
     # -- recovery ------------------------------------------------------------------------------
 
@@ -324,14 +290,7 @@ class ProtectedJob:
         tried = 0
         while True:
             info = self._next_generation(cause, tried)
-            rec = RecoveryRecord.after_fault(
-                info.generation,
-                short(cause),
-                caught_t=caught_t,
-                interrupted_t=self._session.interrupt_time() or info.arrived_t,
-                generation_t=info.arrived_t,
-                step_reached=reached,
-            )
+            rec = self._log.after_fault(info, short(cause), caught_t=caught_t, step_reached=reached)
             tried = info.generation
             try:
                 self._enter_generation(info, rec)
@@ -342,15 +301,7 @@ class ProtectedJob:
                     self._shutdown()
                 if action is not Action.RECOVER:
                     raise
-                logger.warning(
-                    "%s: recovery into generation %d failed (%s); waiting for the next",
-                    self._session.identity,
-                    info.generation,
-                    short(e),
-                )
-                self._session.event(
-                    "recovery_abandoned", generation=info.generation, reason=short(e)
-                )
+                self._log.abandoned(info, short(e))
                 self._break_generation()
                 caught_t = time.monotonic()
                 cause = e
@@ -415,99 +366,38 @@ class ProtectedJob:
 
     def _restore_into(self, info: GenerationInfo, rec: RecoveryRecord) -> None:
         """The restore protocol of one generation; every member runs it together."""
-        rep_cfg = self.config.replication
-        wire = wire_device(rep_cfg, training_device(self._session.device_type))
-        with self._hooks.phase(rec, phases.PLAN):  # census
-            group = self._copies.replication_group()
-            held = gather_copies(self._copies.stores.all, group, wire, rep_cfg.timeout_s)
-        source = self._restore_source(held, info.world_size)
+        with self._hooks.phase(rec, phases.PLAN):
+            census = self._rebuild.census()
+        source = self._rebuild.source(census, info.world_size)
         with self._hooks.phase(rec, phases.BUILD):
-            if source is RestoreSource.INITIAL:
-                restore_rng(self._initial_rng)
             self.model = self.optimizer = self.scheduler = self.state = None
-            state = self._build_state(
-                restore_from=None if source is RestoreSource.INITIAL else source
-            )
-        rank = info.rank_of(self._session.identity)
-        assert rank is not None  # joining checked it
-        where = Restore(
-            held=held,
-            stores=self._copies.stores.all,
-            replication_group=group,
-            checkpoint_group=self._copies.checkpoint_group,
-            rank=rank,
-            world_size=info.world_size,
-            wire_device=wire,
-            snapshot_device=snapshot_device(rep_cfg, state),
-        )
-        initial = {"user": {}, "loader": self._initial_loader} if self.loader else {"user": {}}
-        restored = restore_state(
-            source,
-            state,
-            where,
-            self.config,
-            initial_extras=initial,
-            rec=rec,
-            hooks=self._hooks,
-        )
-        self._source = restored.peers
+            state = self._take(self._rebuild.build(source))
+        restored = self._rebuild.restore(source, census, state, info, rec)
         step, extras = restored.step, restored.extras
         with self._hooks.phase(rec, phases.DATA):
             self._apply_extras(extras)
         if info.directive == "checkpoint":
-            self._checkpoint_and_stop(info, step)
+            stopped = stop_with_checkpoint(
+                self._session,
+                self.config,
+                state,
+                step,
+                self._extras(),
+                copies=self._copies,
+                source=restored.peers,
+                info=info,
+            )
+            self._shutdown()
+            raise stopped
         with self._hooks.phase(rec, phases.REPLICATE):
-            self._start_replication(step, extras, recovering=True)
+            self._copies.start(state, step, extras, recovering=True)
+            self.step_done = step
         if self.checkpointer is not None:
             # The fault cut short any checkpoint in progress: the cold fallback must not
             # fall behind for good when faults come faster than a save takes.
             with self._hooks.phase(rec, phases.CHECKPOINT):
                 self._copies.catch_up(step, extras)
-        self._record(info, rec, source, step)
-
-    def _restore_source(self, held: list[set[Any]], world: int) -> RestoreSource:
-        ckpt = self.config.checkpoint
-        try:
-            return choose_restore_source(
-                held,
-                world,
-                checkpoint_root=ckpt.root if ckpt is not None else None,
-                checkpoint_steps=complete_steps,
-            )
-        except RecoveryFailed as e:
-            self._session.report_failure(str(e), fatal=True)
-            raise
-
-    def _record(
-        self, info: GenerationInfo, rec: RecoveryRecord, source: RestoreSource, step: int
-    ) -> None:
-        rank = info.rank_of(self._session.identity)
-        rec.source, rec.step = source, step
-        self.recoveries.append(rec)
-        self._first_step_pending = rec
-        self._session.event("recovery_done", **rec.done_event(rank, info.world_size))
-        logger.warning("%s", rec.summary(rank))
-
-    def _checkpoint_and_stop(self, info: GenerationInfo, step: int) -> None:
-        """Write the restored ``step`` as the stop checkpoint and end the job.
-
-        Raises:
-            JobStopped: always, once the checkpoint is written.
-        """
-        assert self.state is not None
-        stopped = stop_with_checkpoint(
-            self._session,
-            self.config,
-            self.state,
-            step,
-            self._extras(),
-            group=self._copies.checkpoint_group(),
-            source=self._source,
-            stores=self._copies.stores.all,
-            reason=info.reason,
-        )
-        self._shutdown()
-        raise stopped
+        self._log.done(rec, info, source, step)
 
     # -- plumbing ------------------------------------------------------------------------------
 

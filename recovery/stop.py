@@ -21,8 +21,9 @@ from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
 from recovery.config import RecoveryConfig
 from recovery.errors import JobStopped
 from recovery.planner import Source, shard_layout
+from recovery.replication import JobReplication
 from recovery.restore import find_copy
-from recovery.session import Session
+from recovery.session import GenerationInfo, Session
 
 logger = logging.getLogger(__name__)
 
@@ -44,24 +45,27 @@ def stop_with_checkpoint(
     step: int,
     extras: dict[str, Any],
     *,
-    group: dist.ProcessGroup,
+    copies: JobReplication,
     source: Source | None,
-    stores: Sequence[Replicator],
-    reason: str,
+    info: GenerationInfo,
 ) -> JobStopped:
     """Write the restored ``step`` as the stop checkpoint and tell the coordinator.
 
     Args:
-        reason: Why the coordinator stops the job.
+        copies: The rank's copies (their stores and checkpoint group).
+        source: The peers' state restored (``None``: a checkpoint or the initial state).
+        info: The generation whose directive is to stop (with the reason).
 
     Returns:
         The ending to raise once the job has shut down.
     """
     root = stop_checkpoint_root(config)
+    group, stores = copies.checkpoint_group(), copies.stores.all
     write_stop_checkpoint(root, state, step, extras, group=group, source=source, stores=stores)
     session.event("stop_checkpoint_written", step=step, root=root)
     if session.client is not None:
         session.client.report_done(checkpoint_step=step)
+    reason = info.reason
     logger.error("the job stops: %s; a checkpoint of step %d is in %s", reason, step, root)
     return JobStopped(f"{reason}; a checkpoint of step {step} is in {root}")
 
