@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from p2p_state import api
+from recovery import api
 from recovery.comms import Comms
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed, exit_code_of
 from recovery.job import ProtectedJob
