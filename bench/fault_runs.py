@@ -204,7 +204,9 @@ def run_checkpointless(
         "exit_codes": outcome.codes,
         "spares": spares,
         "replicas": getattr(args, "replicas", 1),
-        "faults": _relative(_copies_lost(phases.checkpointless_faults(events), faults), t0),
+        "faults": _relative(
+            _copies_lost(phases.as_json(phases.checkpointless_faults(events)), faults), t0
+        ),
         "not_fired": phases.not_fired([str(f) for f in faults], events),
         "timeline": phases.timeline(events, t0),
         "bitwise_equal": None,
@@ -294,7 +296,9 @@ def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) ->
     section = {
         "wall_s": run.wall_s,
         "exit_codes": [run.code],
-        "faults": _relative(phases.restart_faults(run.marks, run.kills), run.started_t),
+        "faults": _relative(
+            phases.as_json(phases.restart_faults(run.marks, run.kills)), run.started_t
+        ),
         "timeline": phases.timeline([m for m in run.marks if m.get("rank") == 0], run.started_t),
         "bitwise_equal": None,
         "checkpoint_every": args.checkpoint_every,

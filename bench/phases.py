@@ -19,14 +19,91 @@ the checkpoint's step to the reached step).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from recovery.phases import BEFORE_RANK_PHASES as _NOT_RANK_PHASES
 from recovery.phases import RANK_PHASES
 
 Event = dict[str, Any]
+
+
+@dataclass(slots=True)
+class RecoveredFault:
+    """A fault the engine recovered from in place: one row of a checkpointless run's report."""
+
+    spec: str
+    t_fault: float
+    generation: int
+    """The generation whose recovery took the job past the fault."""
+    step_reached: int
+    step_restored: int
+    steps_lost: int
+    restored_from: str | None
+    phases: dict[str, float]
+    """Seconds per phase, in order; they add up to ``downtime_s``."""
+    downtime_s: float
+    recovery_s: float | None
+    """From the fault to the last rank's first step after it (``None``: none reported)."""
+    bytes_received: int
+
+
+@dataclass(slots=True)
+class RestartedFault:
+    """A fault the checkpoint-restart baseline restarted from: one row of its report."""
+
+    spec: str
+    t_fault: float
+    step_reached: int
+    step_restored: int | None
+    """The checkpoint's step (``None``: the restart never loaded one)."""
+    steps_lost: int | None
+    restored_from: str
+    phases: dict[str, float]
+    downtime_s: float
+
+
+@dataclass(slots=True)
+class CoordinatorFault:
+    """A fault of the active coordinator: the training never waits for the control plane."""
+
+    spec: str
+    t_fault: float
+    takeover_s: float
+    steps_in_window: int
+    slowest_step_ratio: float | None
+    downtime_s: float = 0.0
+    recovery_s: float = 0.0
+
+
+@dataclass(slots=True)
+class SilentFault:
+    """Silent data corruption: nothing crashes, so there is nothing to recover from."""
+
+    spec: str
+    t_fault: float
+    silent: bool = True
+
+
+@dataclass(slots=True)
+class UnmeasuredFault:
+    """A fault the run has no measurement of, and why."""
+
+    spec: str
+    t_fault: float
+    error: str
+
+
+FaultRow = RecoveredFault | RestartedFault | CoordinatorFault | SilentFault | UnmeasuredFault
+"""One fault's row of a report (its JSON form: :func:`as_json`)."""
+
+
+def as_json(rows: Sequence[FaultRow]) -> list[dict[str, Any]]:
+    """The rows as the report's JSON holds them (a field per key, in field order)."""
+    return [dataclasses.asdict(row) for row in rows]
 
 
 def _first(events: Sequence[Event], name: str, after: float, **match: Any) -> Event | None:
@@ -58,7 +135,9 @@ def injected_faults(events: Sequence[Event]) -> list[tuple[str, float]]:
     return sorted(first.items(), key=lambda kv: kv[1])
 
 
-def coordinator_fault(events: Sequence[Event], spec: str, t_fault: float) -> dict[str, Any]:
+def coordinator_fault(
+    events: Sequence[Event], spec: str, t_fault: float
+) -> CoordinatorFault | UnmeasuredFault:
     """A fault of the active coordinator: how long until a standby took over, and how the
     training went meanwhile (it never waits for the control plane, so no recovery runs).
 
@@ -70,7 +149,7 @@ def coordinator_fault(events: Sequence[Event], spec: str, t_fault: float) -> dic
         None,
     )
     if took is None:
-        return {"spec": spec, "t_fault": t_fault, "error": "no standby took over"}
+        return UnmeasuredFault(spec, t_fault, "no standby took over")
     ratio: float | None = None
     in_window = 0
     for source in {e["source"] for e in events if e["event"] == "step_done"}:
@@ -82,15 +161,7 @@ def coordinator_fault(events: Sequence[Event], spec: str, t_fault: float) -> dic
             in_window = max(in_window, len(window))
             worst = max(window) / before[len(before) // 2]
             ratio = worst if ratio is None else max(ratio, worst)
-    return {
-        "spec": spec,
-        "t_fault": t_fault,
-        "takeover_s": took - t_fault,
-        "steps_in_window": in_window,
-        "slowest_step_ratio": ratio,
-        "downtime_s": 0.0,
-        "recovery_s": 0.0,
-    }
+    return CoordinatorFault(spec, t_fault, took - t_fault, in_window, ratio)
 
 
 def not_fired(scheduled: Sequence[str], events: Sequence[Event]) -> list[str]:
@@ -119,7 +190,7 @@ def merged_downtime(faults: Sequence[dict[str, Any]]) -> float | None:
     return total + end - start
 
 
-def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
+def checkpointless_faults(events: Sequence[Event]) -> list[FaultRow]:
     """Per injected fault of an engine run: its phases, downtime and steps lost.
 
     A fault's recovery is the first generation completed after it (a fault during a recovery
@@ -129,11 +200,10 @@ def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
     step in the milliseconds between a fault and its detection, and that step is redone too.
     """
     steps = [(e["t"], e["step"]) for e in events if e["event"] == "step_done"]
-    out = []
+    out: list[FaultRow] = []
     for spec, t_fault in injected_faults(events):
         if spec.startswith("bitflip"):
-            # Silent data corruption: nothing crashes, so there is nothing to recover from.
-            out.append({"spec": spec, "t_fault": t_fault, "silent": True})
+            out.append(SilentFault(spec, t_fault))
             continue
         if spec.startswith(("kill-coordinator", "hang-coordinator")):
             out.append(coordinator_fault(events, spec, t_fault))
@@ -141,7 +211,7 @@ def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
         seen = _first(events, "fault", t_fault)
         done = [e for e in events if e["event"] == "recovery_done" and e["t"] >= t_fault]
         if seen is None or not done:
-            out.append({"spec": spec, "t_fault": t_fault, "error": "no recovery after it"})
+            out.append(UnmeasuredFault(spec, t_fault, "no recovery after it"))
             continue
         generation = min(e["generation"] for e in done)
         ranks = [e for e in done if e["generation"] == generation]
@@ -168,34 +238,34 @@ def checkpointless_faults(events: Sequence[Event]) -> list[dict[str, Any]]:
             if e["event"] == "first_step_done" and e.get("generation") == generation
         ]
         out.append(
-            {
-                "spec": spec,
-                "t_fault": t_fault,
-                "generation": generation,
-                "step_reached": reached,
-                "step_restored": restored,
-                "steps_lost": max(0, reached - restored),
-                "restored_from": critical.get("restored_from"),
-                "phases": phases,
-                "downtime_s": end - t_fault,
-                "recovery_s": (max(firsts) - t_fault) if firsts else None,
-                "bytes_received": sum(e.get("bytes_received", 0) for e in ranks),
-            }
+            RecoveredFault(
+                spec=spec,
+                t_fault=t_fault,
+                generation=generation,
+                step_reached=reached,
+                step_restored=restored,
+                steps_lost=max(0, reached - restored),
+                restored_from=critical.get("restored_from"),
+                phases=phases,
+                downtime_s=end - t_fault,
+                recovery_s=(max(firsts) - t_fault) if firsts else None,
+                bytes_received=sum(e.get("bytes_received", 0) for e in ranks),
+            )
         )
     return out
 
 
 def restart_faults(
     marks: Sequence[Event], kills: Sequence[tuple[str, float]]
-) -> list[dict[str, Any]]:
+) -> list[RestartedFault | UnmeasuredFault]:
     """Per fault of a checkpoint-restart run (``train_plain.py``'s timeline and the bench's
     own kill times): its phases, downtime and steps lost."""
     steps = [(m["t"], m["step"]) for m in marks if m["event"] == "step_done"]
-    out = []
+    out: list[RestartedFault | UnmeasuredFault] = []
     for spec, t_fault in kills:
         started = [m["t"] for m in marks if m["event"] == "started" and m["t"] >= t_fault]
         if not started:
-            out.append({"spec": spec, "t_fault": t_fault, "error": "the job did not restart"})
+            out.append(UnmeasuredFault(spec, t_fault, "the job did not restart"))
             continue
         b1 = min(started)
         attempt = [m for m in marks if m["t"] >= b1]
@@ -227,16 +297,16 @@ def restart_faults(
                 phases["recompute"] = back - prev
                 end = back
         out.append(
-            {
-                "spec": spec,
-                "t_fault": t_fault,
-                "step_reached": reached,
-                "step_restored": loaded,
-                "steps_lost": None if loaded is None else max(0, reached - loaded),
-                "restored_from": "checkpoint",
-                "phases": phases,
-                "downtime_s": end - t_fault,
-            }
+            RestartedFault(
+                spec=spec,
+                t_fault=t_fault,
+                step_reached=reached,
+                step_restored=loaded,
+                steps_lost=None if loaded is None else max(0, reached - loaded),
+                restored_from="checkpoint",
+                phases=phases,
+                downtime_s=end - t_fault,
+            )
         )
     return out
 

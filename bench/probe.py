@@ -30,11 +30,11 @@ HOOK = "bench.probe:attach"
 
 def attach(job: Any) -> None:
     """Arm the faults of ``P2P_INJECT`` and the record of ``P2P_PROBE_DIR`` on ``job``."""
-    import p2p_state
+    import recovery.api
 
     faults = from_env()
     if faults:
-        session = p2p_state.api.current_session()
+        session = recovery.api.current_session()
         Injector(faults, os.environ.get(ENV_RUN_DIR, "."), session.event).arm(job)
     out = os.environ.get(ENV_PROBE_DIR)
     if out:

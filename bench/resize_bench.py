@@ -35,9 +35,10 @@ from typing import Any
 
 from bench.baseline import run_baseline
 from bench.fault_runs import UsageError
-from bench.runner import EXAMPLE, LocalJob
+from bench.runner import EXAMPLE
 from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS, ENV_RUN_DIR
-from recovery.config import CAUSE_JOINED as JOINED
+from launcher.testing import LocalJob
+from recovery.records import CAUSE_JOINED as JOINED
 
 #: The job hook pacing the in-place run's steps (see :func:`pace`).
 PACE_HOOK = "bench.resize_bench:pace"

@@ -1,19 +1,14 @@
-"""Run a p2p-run job of several emulated nodes on this machine, and always take it down.
+"""Run a protected training job to its end with faults injected, and compare it with another.
 
-One ``p2p-run`` process per node, as on a real cluster: node 0 starts the coordinator on a port
-the OS picks, the others join it. The demo, the benchmarks and the tests start jobs through
-:class:`LocalJob`; :func:`run_example` runs the example training job to the end and collects
-what its ranks wrote.
+Jobs are :class:`launcher.testing.LocalJob`: one ``p2p-run`` process per emulated node on this
+machine. :func:`run_script` runs a script with the faults armed through the engine's hooks and
+collects what its ranks wrote; :func:`run_example` runs the example training job;
+:func:`bitwise_differences` compares two runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,204 +17,11 @@ from typing import Any
 
 from bench import probe
 from bench.faults import Fault, to_env
-from launcher.events import read_events
 from launcher.protocol import ENV_INJECT, ENV_JOB_HOOKS, ENV_PROBE_DIR
+from launcher.testing import LocalJob
 
 #: The example training job (a checkout's ``examples/``; see README).
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
-START_TIMEOUT_S = 60.0
-
-
-class JobTimeout(TimeoutError):
-    """A job outlived its deadline (it was killed)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:\tZ") for line in f)
-    except FileNotFoundError:
-        return False
-
-
-class LocalJob:
-    """A p2p-run job on this machine: ``nnodes`` p2p-run processes, outputs in ``run_dir``.
-
-    Args:
-        run_dir: The job's run directory (event log, secret, one ``p2p-run-<n>.log`` per node).
-            An earlier job's run directory is emptied first: it would hand out that job's
-            coordinator address, event log, fault markers and results.
-        nnodes, nproc_per_node: The job's shape.
-        spares: Hot spares per node.
-        script, script_args: What every rank runs.
-        launcher_args: Further p2p-run flags (the same on every node).
-        env: Extra environment for every process of the job.
-        heartbeat_interval_s, heartbeat_timeout_s, ack_timeout_s: p2p-run's settings.
-    """
-
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        nnodes: int,
-        nproc_per_node: int,
-        spares: Sequence[int],
-        script: str,
-        script_args: Sequence[str] = (),
-        launcher_args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        heartbeat_interval_s: float = 0.5,
-        heartbeat_timeout_s: float = 3.0,
-        ack_timeout_s: float = 10.0,
-    ) -> None:
-        if len(spares) != nnodes:
-            raise ValueError(f"spares lists {len(spares)} nodes, the job has {nnodes}")
-        self.run_dir = Path(run_dir)
-        if any((self.run_dir / name).exists() for name in ("coordinator.json", "events.jsonl")):
-            shutil.rmtree(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.script, self.script_args = script, list(script_args)
-        self.env = {**os.environ, **(env or {})}
-        self.nodes: list[subprocess.Popen] = []
-        self._logs: list[Any] = []
-        self.started_t = time.monotonic()
-        common = [
-            "--nnodes",
-            str(nnodes),
-            "--nproc-per-node",
-            str(nproc_per_node),
-            "--run-dir",
-            str(self.run_dir),
-            "--heartbeat-interval",
-            str(heartbeat_interval_s),
-            "--heartbeat-timeout",
-            str(heartbeat_timeout_s),
-            "--ack-timeout",
-            str(ack_timeout_s),
-            *launcher_args,
-        ]
-        self._common = common
-        try:
-            self._start([*common, "--node-rank", "0", "--coordinator", "127.0.0.1:0"], spares[0])
-            self.port = self._wait_for_coordinator()["port"]
-            for node in range(1, nnodes):
-                address = f"127.0.0.1:{self.port}"
-                self._start(
-                    [*common, "--node-rank", str(node), "--coordinator", address], spares[node]
-                )
-        except BaseException:
-            self.kill_everything()
-            raise
-
-    def add_node(self, node_rank: int, spares: int = 0) -> None:
-        """Start one more node's p2p-run, joining the running job (elastic jobs grow into it)."""
-        address = f"127.0.0.1:{self.port}"
-        self._start(
-            [*self._common, "--node-rank", str(node_rank), "--coordinator", address], spares
-        )
-
-    def _start(self, args: list[str], spares: int) -> None:
-        log = open(self.run_dir / f"p2p-run-{len(self.nodes)}.log", "w")  # noqa: SIM115
-        self._logs.append(log)
-        cmd = [sys.executable, "-m", "launcher.cli", *args, "--spares", str(spares)]
-        self.nodes.append(
-            subprocess.Popen(
-                [*cmd, self.script, *self.script_args],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
-
-    def coordinator_info(self) -> dict[str, Any] | None:
-        """What the coordinator published (``port``, ``store_port``, ``pid``), once it has."""
-        path = self.run_dir / "coordinator.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def _wait_for_coordinator(self) -> dict[str, Any]:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            info = self.coordinator_info()
-            if info:
-                return info
-            if self.nodes[0].poll() is not None:
-                raise RuntimeError(f"p2p-run of node 0 exited: {self.output(0)[-2000:]}")
-            time.sleep(0.02)
-        raise JobTimeout(f"the coordinator did not start within {START_TIMEOUT_S:.0f}s")
-
-    def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
-        """Events of the job's log (of one ``name``, with fields equal to ``match``)."""
-        return [
-            e
-            for e in read_events(self.run_dir)
-            if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())
-        ]
-
-    def pid_of(self, rank: int) -> int:
-        """Pid of the process started as ``rank``."""
-        (started,) = self.events("process_started", rank=rank, role="rank")
-        return started["pid"]
-
-    def all_pids(self) -> list[int]:
-        """Every process of the job this machine knows of."""
-        pids = [e["pid"] for e in self.events("process_started")]
-        info = self.coordinator_info()
-        return pids + ([info["pid"]] if info else []) + [n.pid for n in self.nodes]
-
-    def wait(
-        self,
-        timeout_s: float,
-        on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
-        poll_s: float = 0.5,
-    ) -> list[int]:
-        """Exit codes of the p2p-run processes once all have ended.
-
-        Args:
-            timeout_s: Deadline for the whole job.
-            on_poll: Called with the event log every ``poll_s`` while it runs (progress).
-            poll_s: Polling interval.
-
-        Raises:
-            JobTimeout: still running after ``timeout_s`` (the job is then killed).
-        """
-        deadline = time.monotonic() + timeout_s
-        while any(n.poll() is None for n in self.nodes):
-            if time.monotonic() > deadline:
-                self.kill_everything()
-                raise JobTimeout(
-                    f"the job in {self.run_dir} still ran after {timeout_s:.0f}s and was killed; "
-                    f"see {self.run_dir}/p2p-run-*.log and events.jsonl"
-                )
-            if on_poll is not None:
-                on_poll(self.events())
-            try:
-                self.nodes[0].wait(timeout=poll_s if on_poll else 0.05)
-            except subprocess.TimeoutExpired:
-                pass
-        return [n.returncode for n in self.nodes]
-
-    def output(self, node: int = 0) -> str:
-        """What p2p-run of ``node`` and its processes printed."""
-        for log in self._logs:
-            if not log.closed:
-                log.flush()
-        return (self.run_dir / f"p2p-run-{node}.log").read_text()
-
-    def kill_everything(self) -> None:
-        """SIGKILL every process of the job that is still alive; close the logs."""
-        for pid in self.all_pids():
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for n in self.nodes:
-            try:
-                n.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for log in self._logs:
-            log.close()
 
 
 @dataclass

@@ -42,7 +42,17 @@ import zmq
 from launcher import config, mirror, protocol
 from launcher.admission import ConnectionGate, Quota
 from launcher.config import setting
-from launcher.decisions import End, Event, Generation, Interrupt, Kill, Process, Send, SpawnSpare
+from launcher.decisions import (
+    Decision,
+    End,
+    Event,
+    Generation,
+    Interrupt,
+    Kill,
+    Process,
+    SendGeneration,
+    SpawnSpare,
+)
 from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
 from launcher.store import StoreServer
@@ -754,11 +764,11 @@ class Coordinator:
         if node not in (agent.node, [str(agent.node)]):
             raise ValueError(f"the agent of node {agent.node} reported {identity} of another node")
 
-    def _apply(self, actions: list[Any]) -> None:
+    def _apply(self, actions: list[Decision]) -> None:
         for action in actions:
             if isinstance(action, Event):
                 self.events.write(action.name, **action.fields)
-            elif isinstance(action, Send):
+            elif isinstance(action, SendGeneration):
                 self._mirror(force=True)  # the standbys know a generation before any member
                 self._broadcast(action.generation, action.to)
             elif isinstance(action, Kill):

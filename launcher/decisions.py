@@ -1,7 +1,8 @@
 """What the membership state machine decides: the generation message and the coordinator's actions.
 
-Plain data, no behaviour: :mod:`launcher.membership` produces them, :mod:`launcher.coordinator`
-carries them out, and the rank side (:mod:`recovery.session`) reads the generation's body.
+Plain data, no behaviour: :mod:`launcher.membership` produces them (lists of :data:`Decision`),
+:mod:`launcher.coordinator` carries them out, and the rank side (:mod:`recovery.session`) reads
+the generation's body.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Generation:
 
 # Actions for the shell.
 @dataclass(frozen=True, slots=True)
-class Send:
+class SendGeneration:
     """Send the generation to these identities."""
 
     to: tuple[str, ...]
@@ -131,3 +132,7 @@ class Event:
 
     name: str
     fields: dict[str, Any] = field(default_factory=dict)
+
+
+Decision = SendGeneration | Kill | SpawnSpare | Interrupt | End | Event
+"""One thing the membership decided: an action for the coordinator's shell, or an event."""

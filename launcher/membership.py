@@ -25,13 +25,14 @@ from typing import Any
 
 from launcher.config import setting
 from launcher.decisions import (
+    Decision,
     End,
     Event,
     Generation,
     Interrupt,
     Kill,
     Process,
-    Send,
+    SendGeneration,
     SpawnSpare,
 )
 from launcher.policy import (
@@ -47,6 +48,7 @@ from launcher.policy import (
 from p2p_state.placement import place
 
 __all__ = [
+    "Decision",
     "End",
     "Event",
     "Generation",
@@ -55,7 +57,7 @@ __all__ = [
     "Membership",
     "MembershipConfig",
     "Process",
-    "Send",
+    "SendGeneration",
     "SpawnSpare",
 ]
 
@@ -241,9 +243,9 @@ class Membership:
 
     # -- events --------------------------------------------------------------------------------
 
-    def hello(self, proc: Process, rank: int | None, now: float) -> list[Any]:
+    def hello(self, proc: Process, rank: int | None, now: float) -> list[Decision]:
         """A process connected. Ranks say which rank they start as; spares join the pool."""
-        out: list[Any] = []
+        out: list[Decision] = []
         self.procs[proc.identity] = proc
         self.last_seen[proc.identity] = now
         if proc.role == "agent":
@@ -267,7 +269,7 @@ class Membership:
         if identity in self.procs and identity not in self.done:
             self.last_seen[identity] = now
 
-    def report_done(self, identity: str, checkpoint_step: int | None = None) -> list[Any]:
+    def report_done(self, identity: str, checkpoint_step: int | None = None) -> list[Decision]:
         """A rank completed its training and is about to exit: stop watching its heartbeats.
 
         ``checkpoint_step``: a member of the stopping generation wrote the stop checkpoint.
@@ -283,7 +285,7 @@ class Membership:
 
     def report_replicated(
         self, identity: str, step: int, generation: int | None = None
-    ) -> list[Any]:
+    ) -> list[Decision]:
         """A rank finished replicating ``step`` (in ``generation``); the committed step may
         advance, and a graceful switch is confirmed once every member replicates in it."""
         if generation is not None and generation >= self.generation:
@@ -294,17 +296,19 @@ class Membership:
         before = self.committed_step
         self.replicated[rank] = step
         after = self.committed_step
-        out: list[Any] = [Event("committed", {"step": after})] if after > before else []
+        out: list[Decision] = [Event("committed", {"step": after})] if after > before else []
         if self.restarts and after > self.restart_mark:
             self.restarts = 0  # the training advanced since the last recovery
         return out + self._release_refills(force=False)
 
-    def request_size(self, size: int, now: float) -> list[Any]:
+    def request_size(self, size: int, now: float) -> list[Decision]:
         """An operator asked for ``size`` ranks (to give some back, or to grow into spares)."""
         self.requested_size = size
         return [Event("scale_requested", {"size": size}), *self._decide(now)]
 
-    def exited(self, identity: str, code: int, now: float, rank: int | None = None) -> list[Any]:
+    def exited(
+        self, identity: str, code: int, now: float, rank: int | None = None
+    ) -> list[Decision]:
         """A process ended (seen by its agent). Code 0 from a rank means it finished.
 
         ``rank`` is what its agent started it as: a script that does not use the engine never
@@ -334,7 +338,7 @@ class Membership:
             return self._finish(rank, identity, None if code == 0 else f"exited with code {code}")
         return self.fault(identity, f"exited with code {code}", now)
 
-    def fault(self, identity: str, reason: str, now: float) -> list[Any]:
+    def fault(self, identity: str, reason: str, now: float) -> list[Decision]:
         """A process is lost (crashed, hung, reported a collective failure, straggled).
 
         A lost agent is a lost node: every process it started is lost with it, and all the
@@ -343,7 +347,7 @@ class Membership:
         out = self._lose(identity, reason, now)
         return out + self._decide(now) if out else out
 
-    def ack(self, identity: str, generation: int, now: float) -> list[Any]:
+    def ack(self, identity: str, generation: int, now: float) -> list[Decision]:
         """A member acknowledged a generation."""
         if self.pending is None or generation != self.pending.generation:
             return []
@@ -354,9 +358,9 @@ class Membership:
             return [Event("generation_complete", {"generation": g.generation})]
         return []
 
-    def tick(self, now: float) -> list[Any]:
+    def tick(self, now: float) -> list[Decision]:
         """Check every deadline: heartbeats, acknowledgements, leavers, the policy's timers."""
-        out: list[Any] = self._check_join(now)
+        out: list[Decision] = self._check_join(now)
         timeout = self.config.heartbeat_timeout_s
         for identity, seen in sorted(self.last_seen.items()):
             if now - seen > timeout and identity in self.procs:
@@ -374,14 +378,14 @@ class Membership:
             late = sorted(self.awaiting)
             out.append(Event("stragglers", {"generation": self.pending.generation, "late": late}))
             for identity in late:
-                proc = self.procs.get(identity)
-                if proc is not None:
-                    out.append(Kill(proc.node, identity, proc.pid, "did not acknowledge"))
+                late_proc = self.procs.get(identity)
+                if late_proc is not None:
+                    out.append(Kill(late_proc.node, identity, late_proc.pid, "did not acknowledge"))
                     out += self._lose(identity, "did not acknowledge in time", now)
         for identity, deadline in sorted(self.leaving.items()):
-            proc = self.procs.get(identity)
-            if now > deadline and proc is not None:
-                out.append(Kill(proc.node, identity, proc.pid, "given back and still running"))
+            leaver = self.procs.get(identity)
+            if now > deadline and leaver is not None:
+                out.append(Kill(leaver.node, identity, leaver.pid, "given back and still running"))
                 self.leaving[identity] = float("inf")
         out += self._decide(now)
         out += self._release_refills(force=False, now=now)
@@ -396,7 +400,7 @@ class Membership:
         nnodes = self.config.world_size // self.config.ranks_per_node
         return [n for n in range(nnodes) if n not in self.agents_seen]
 
-    def _check_join(self, now: float) -> list[Any]:
+    def _check_join(self, now: float) -> list[Decision]:
         if self.config.join_timeout_s is None or self.ended or self.join_deadline == float("inf"):
             return []
         if self.join_deadline is None:
@@ -414,11 +418,11 @@ class Membership:
             "the run directory",
         )
 
-    def end(self, code: int, reason: str) -> list[Any]:
+    def end(self, code: int, reason: str) -> list[Decision]:
         """End the job (a fatal report from a rank); nothing happens if it already ended."""
         return self._end(code, reason)
 
-    def took_over(self, now: float) -> list[Any]:
+    def took_over(self, now: float) -> list[Decision]:
         """A standby coordinator took over with this (mirrored) state.
 
         A generation still pending was being set up through the old coordinator's store,
@@ -427,7 +431,7 @@ class Membership:
         untouched: nothing is sent to the ranks.
         """
         g = self.stopping or self.pending
-        out: list[Any] = [
+        out: list[Decision] = [
             Event("takeover_state", {"generation": self.generation, "restarted": bool(g)})
         ]
         if g is None or self.ended:
@@ -450,7 +454,7 @@ class Membership:
 
     # -- decisions -----------------------------------------------------------------------------
 
-    def _decide(self, now: float) -> list[Any]:
+    def _decide(self, now: float) -> list[Decision]:
         """Ask the elastic policy what to do with the vacancies, spares and requests now."""
         if (
             self.ended
@@ -500,8 +504,8 @@ class Membership:
             "raise --max-restarts"
         )
 
-    def _replace(self, assignments: dict[int, str], now: float) -> list[Any]:
-        out: list[Any] = []
+    def _replace(self, assignments: dict[int, str], now: float) -> list[Decision]:
+        out: list[Decision] = []
         for rank, spare in sorted(assignments.items()):
             self.spares.remove(spare)
             self.ranks[rank] = spare
@@ -519,7 +523,7 @@ class Membership:
             out += self._decide(now)  # the rest waits: tell the live ranks now
         return out
 
-    def _notify(self, hold: Hold, now: float) -> list[Any]:
+    def _notify(self, hold: Hold, now: float) -> list[Decision]:
         """Vacancies that must wait: stop the live ranks now and tell them for how long."""
         fresh = sorted(set(self.vacant) - self.notified)
         if not fresh or not self.ranks:
@@ -529,7 +533,7 @@ class Membership:
         wait_s = (hold.until - now if hold.until is not None else self.config.spare_wait_s) + (
             self.config.ack_timeout_s
         )
-        out: list[Any] = [Event("waiting_for_spare", {"rank": r}) for r in fresh]
+        out: list[Decision] = [Event("waiting_for_spare", {"rank": r}) for r in fresh]
         out.append(
             Interrupt(
                 tuple(self.ranks.values()), self.generation, tuple(sorted(self.vacant)), wait_s
@@ -537,13 +541,13 @@ class Membership:
         )
         return out + self._release_refills(force=True)
 
-    def _resize(self, resize: Resize, now: float) -> list[Any]:
+    def _resize(self, resize: Resize, now: float) -> list[Decision]:
         """Shrink or grow: survivors keep their order and are numbered from 0, joiners follow."""
         leaving = [self.ranks[r] for r in resize.leaving]
         survivors = [i for r, i in sorted(self.ranks.items()) if r not in resize.leaving]
         for spare in resize.joining:
             self.spares.remove(spare)
-        out: list[Any] = [
+        out: list[Decision] = [
             Event(
                 "resize",
                 {
@@ -589,7 +593,7 @@ class Membership:
             self.switching = set(self.ranks.values())
         return out
 
-    def _stop(self, reason: str, now: float) -> list[Any]:
+    def _stop(self, reason: str, now: float) -> list[Decision]:
         """The survivors restore the committed state among themselves, checkpoint it, and stop.
 
         They form one last generation of their own (renumbered in rank order, a smaller world
@@ -605,7 +609,9 @@ class Membership:
         self.vacant.clear()
         self.vacant_since.clear()
         self.assigned.clear()
-        out = [Event("job_stopping", {"reason": reason, "survivors": len(survivors)})]
+        out: list[Decision] = [
+            Event("job_stopping", {"reason": reason, "survivors": len(survivors)})
+        ]
         out += self._new_generation(
             lost=lost, replaced={}, now=now, directive="checkpoint", reason=reason, renumbered=True
         )
@@ -616,7 +622,7 @@ class Membership:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _lose(self, identity: str, reason: str, now: float) -> list[Any]:
+    def _lose(self, identity: str, reason: str, now: float) -> list[Decision]:
         proc = self.procs.pop(identity, None)
         self.last_seen.pop(identity, None)
         if proc is None or self.ended:
@@ -631,7 +637,7 @@ class Membership:
         if identity in self.leaving or identity in self.released:
             self.leaving.pop(identity, None)
             return [Event("process_left", {"identity": identity, "reason": reason})]
-        out: list[Any] = [Event("fault", {"identity": identity, "reason": reason})]
+        out: list[Decision] = [Event("fault", {"identity": identity, "reason": reason})]
         if proc.role == "agent":
             for other in [p for p in self.procs.values() if p.node == proc.node]:
                 out += self._lose(other.identity, f"node {proc.node} lost ({reason})", now)
@@ -652,7 +658,7 @@ class Membership:
         self.vacant_since[rank] = now
         return out
 
-    def _release_refills(self, force: bool, now: float | None = None) -> list[Any]:
+    def _release_refills(self, force: bool, now: float | None = None) -> list[Decision]:
         """Start the spares owed, once the job replicates again, at the latest after
         ``refill_delay_s``, or at once when forced (a vacancy has no spare)."""
         late = now is not None and now >= self.refill_gate_t + self.config.refill_delay_s
@@ -667,9 +673,9 @@ class Membership:
         self.leaving.pop(identity, None)
         self.gone.add(identity)
 
-    def _finish(self, rank: int, identity: str, failure: str | None = None) -> list[Any]:
+    def _finish(self, rank: int, identity: str, failure: str | None = None) -> list[Decision]:
         self.finished.add(rank)
-        out: list[Any] = [Event("rank_finished", {"rank": rank, "identity": identity})]
+        out: list[Decision] = [Event("rank_finished", {"rank": rank, "identity": identity})]
         if failure is not None:
             self.failed_after_done.append(f"rank {rank} {failure}")
         if len(self.finished) == self.world_size:
@@ -681,7 +687,7 @@ class Membership:
                 out += self._end(0, "every rank finished")
         return out
 
-    def _stopped_one(self, identity: str) -> list[Any]:
+    def _stopped_one(self, identity: str) -> list[Decision]:
         assert self.stopping is not None
         members = set(self.stopping.ranks.values())
         self.gone.add(identity)
@@ -708,7 +714,7 @@ class Membership:
         graceful: bool = False,
         also_to: tuple[str, ...] = (),
         renumbered: bool = False,
-    ) -> list[Any]:
+    ) -> list[Decision]:
         self.generation += 1
         world = self.world_size
         nodes = {r: self.procs[i].node for r, i in sorted(self.ranks.items())}
@@ -759,9 +765,12 @@ class Membership:
             fields["supersedes"] = superseded.generation
         if world != self.config.world_size:
             fields["world_size"] = world
-        return [Event("generation_started", fields), Send((*gen.ranks.values(), *also_to), gen)]
+        return [
+            Event("generation_started", fields),
+            SendGeneration((*gen.ranks.values(), *also_to), gen),
+        ]
 
-    def _end(self, code: int, reason: str) -> list[Any]:
+    def _end(self, code: int, reason: str) -> list[Decision]:
         if self.ended:
             return []
         self.ended = True

@@ -1,7 +1,9 @@
 """The data plane: every rank's shard of the model and optimizer state lives on a buddy.
 
-Most training scripts need only the two functions of the facade (:mod:`p2p_state.api`):
-:func:`init_process_group` and :func:`protect`, which rebuild a lost rank from its peers.
+Most training scripts need only the two functions of the facade, :func:`init_process_group` and
+:func:`protect`, which rebuild a lost rank from its peers. The facade sits above the recovery
+engine and the control plane (:mod:`recovery.api`); this package's modules never import either,
+and only re-export its functions here, by name.
 
 The pieces, each usable on its own:
 
@@ -22,12 +24,15 @@ Typical use inside a training loop (every rank)::
 import importlib
 from typing import TYPE_CHECKING
 
-from p2p_state.api import init_process_group, protect, restoring
 from p2p_state.placement import Placement, place
 
 #: Where each public name lives. They are imported on first use, so the control plane (which
-#: needs only :func:`place`) starts without importing torch.
+#: needs only :func:`place`) starts without importing torch, and the facade's functions, which
+#: live above this package, are looked up only when a training script calls them.
 _EXPORTS = {
+    "init_process_group": "recovery.api",
+    "protect": "recovery.api",
+    "restoring": "recovery.api",
     "ReplicationConfig": "p2p_state.config",
     "LayoutMismatchError": "p2p_state.layout",
     "StateLayout": "p2p_state.layout",
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
     )
     from p2p_state.snapshot import SnapshotHeader
     from p2p_state.state import TrainingState
+    from recovery.api import init_process_group, protect, restoring
 
 
 def __getattr__(name: str) -> object:

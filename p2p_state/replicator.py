@@ -57,7 +57,7 @@ from p2p_state.snapshot import (
     SnapshotHeader,
 )
 from p2p_state.state import TrainingState
-from p2p_state.transfer import Recv, Send, exchange, gather_bytes
+from p2p_state.transfer import RecvBuffer, SendBuffer, exchange, gather_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -483,8 +483,11 @@ class Replicator:
             # flight was measured slower on loopback, where both compete for the same cores.)
             t0 = time.perf_counter()
             exchange(
-                [Send(h, own) for h in self.holders],
-                [Recv(o, slots[o].buffer[: self.layouts[o].total_bytes]) for o in self.owners],
+                [SendBuffer(h, own) for h in self.holders],
+                [
+                    RecvBuffer(o, slots[o].buffer[: self.layouts[o].total_bytes])
+                    for o in self.owners
+                ],
                 self.group,
                 chunk_bytes=chunk,
                 timeout_s=self.config.timeout_s,
@@ -511,8 +514,8 @@ class Replicator:
                 for o in self.owners
             }
             exchange(
-                [Send(h, out_header.view(torch.uint8)) for h in self.holders],
-                [Recv(o, in_headers[o].view(torch.uint8)) for o in self.owners],
+                [SendBuffer(h, out_header.view(torch.uint8)) for h in self.holders],
+                [RecvBuffer(o, in_headers[o].view(torch.uint8)) for o in self.owners],
                 self.group,
                 chunk_bytes=chunk,
                 timeout_s=self.config.timeout_s,

@@ -30,7 +30,7 @@ class TransferError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Send:
+class SendBuffer:
     """Send ``buf`` to rank ``peer``."""
 
     peer: int
@@ -39,7 +39,7 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True)
-class Recv:
+class RecvBuffer:
     """Receive exactly ``buf.numel()`` bytes from rank ``peer`` into ``buf``."""
 
     peer: int
@@ -48,8 +48,8 @@ class Recv:
 
 
 def exchange(
-    sends: Sequence[Send],
-    recvs: Sequence[Recv],
+    sends: Sequence[SendBuffer],
+    recvs: Sequence[RecvBuffer],
     group: dist.ProcessGroup,
     *,
     chunk_bytes: int,

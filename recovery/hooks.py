@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from launcher.protocol import ENV_JOB_HOOKS
-from recovery.config import RecoveryRecord
 from recovery.errors import ConfigurationError
+from recovery.records import RecoveryRecord
 
 Hook = Callable[..., None]
 """``hook(point, **info)``; the points are listed at :meth:`recovery.job.ProtectedJob.add_hook`."""

@@ -19,11 +19,11 @@ Recovery (:meth:`ProtectedJob._recover`) follows the steps of ``docs/recovery.md
 on (the coordinator detects and decides): it breaks this generation's groups (*interrupt*), waits
 for the coordinator's next generation and joins its groups (*communicators*), takes the census of
 the copies the members hold and chooses where the state comes from (*census and plan*), rebuilds
-the model, optimizer and scheduler from the factory on the new groups (*build*: FSDP2 binds its
-process group when ``fully_shard`` runs, and a step cut short leaves FSDP's internal state
-half-way, so nothing of the old wrapping is reused), restores every member's state (*transfer and
-restore*) and restarts replication (*replicate*). A fault during recovery starts it again with the
-next generation.
+the model, optimizer and scheduler from the factory on the new groups (*build*), restores every
+member's state (*transfer and restore*) and restarts replication (*replicate*); the
+:class:`recovery.rebuild.Rebuilder` does the census, build and restore, the
+:class:`recovery.replication.JobReplication` the replication. A fault during recovery starts it
+again with the next generation.
 
 What to do about an exception is :func:`recovery.faults.decide`'s; the job's endings are the
 exceptions of :mod:`recovery.errors`, which the entry point turns into exit codes.
@@ -44,21 +44,18 @@ import torch.distributed as dist
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery import phases
-from recovery.checkpoint import ColdCheckpointer, complete_steps
+from recovery.checkpoint import ColdCheckpointer
 from recovery.comms import Interrupted
-from recovery.config import CAUSE_JOINED, RecoveryConfig, RecoveryRecord
-from recovery.devices import snapshot_device, training_device, wire_device
+from recovery.config import RecoveryConfig
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed
 from recovery.faults import Action, decide, short, without_frames
 from recovery.hooks import Hook, JobHooks, hooks_from_env
-from recovery.planner import Source
-from recovery.rebuild import Restore, build_training, restore_state
+from recovery.rebuild import Built, Rebuilder
+from recovery.records import CAUSE_JOINED, RecoveryLog, RecoveryRecord
 from recovery.replication import JobReplication
-from recovery.restore import describe_census, gather_copies
 from recovery.session import STOP_SIGNAL, CoordinatorsLost, GenerationInfo, JobEnded, Session
-from recovery.source import RestoreSource, choose_restore_source
-from recovery.stop import last_checkpoint, stop_with_checkpoint
-from recovery.warmup import Build, capture_rng, restore_rng
+from recovery.stop import no_stop_checkpoint, stop_with_checkpoint, stop_without_coordinator
+from recovery.warmup import Build
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +90,6 @@ class ProtectedJob:
                 "they are rebuilt on the new process groups"
             )
         self._session = session
-        self._build = build
         self.loader = loader
         self.config = config or RecoveryConfig()
         self.max_steps = max_steps
@@ -105,16 +101,12 @@ class ProtectedJob:
         self.state: TrainingState | None = None
         self.step_done = 0
         """The last completed step (the iterator yields ``step_done + 1`` next)."""
-        self.recoveries: list[RecoveryRecord] = []
         self._hooks = JobHooks()
         self._copies = JobReplication(session, self.config, self._hooks)
+        self._log = RecoveryLog(session)
+        self._rebuild = Rebuilder(session, self.config, build, self._copies, self._hooks)
         self._current: int | None = None
         """The step the iterator yielded and whose guard has not ended yet."""
-        self._first_step_pending: RecoveryRecord | None = None
-        self._source: Source | None = None
-        """Which peers' state the last restore took (``None``: a checkpoint or the initial)."""
-        self._initial_rng: dict[str, Any] = {}
-        self._initial_loader: dict[str, Any] | None = None
 
     # -- public --------------------------------------------------------------------------------
 
@@ -139,6 +131,11 @@ class ProtectedJob:
         return self._copies.checkpointer
 
     @property
+    def recoveries(self) -> list[RecoveryRecord]:
+        """The recoveries this rank lived through, in order."""
+        return self._log.records
+
+    @property
     def generation(self) -> int:
         """The membership generation this rank trains in."""
         info = self._session.info
@@ -156,8 +153,7 @@ class ProtectedJob:
         self._hooks.add(hook)
 
     def __enter__(self) -> ProtectedJob:
-        self._initial_rng = capture_rng()
-        self._initial_loader = self.loader.state_dict() if self.loader is not None else None
+        self._rebuild.remember_initial(self.loader)
         try:
             info = self._session.info
             if info is not None and info.generation > 1:
@@ -253,62 +249,37 @@ class ProtectedJob:
         agreed on."""
         previous = self._copies.after_step(step, self._extras)
         self.step_done = step
-        if self._first_step_pending is not None:
-            rec = self._first_step_pending
-            self._first_step_pending = None
-            self._session.event(
-                "first_step_done",
-                generation=rec.generation,
-                step=step,
-                since_fault_s=time.monotonic() - rec.started_t,
-            )
-        if dist.get_rank() == 0:
-            self._session.event("step_done", step=step)
+        self._log.step_done(step, dist.get_rank())
         if previous is None:
             return
         target = self._copies.agreed_generation(previous)
         if target == STOP_SIGNAL:
-            self._stop_without_coordinator(step)
-        elif target is not None:
+            assert self.state is not None
+            stopped = stop_without_coordinator(
+                self._session, self.config, self.state, step, self._extras(), self._copies
+            )
+            self._shutdown()
+            raise stopped
+        if target is not None:
             self._switch(step)
 
     # -- starting ------------------------------------------------------------------------------
 
     def _fresh_start(self) -> None:
-        ckpt = self.config.checkpoint
-        if ckpt is not None and not self.config.resume and complete_steps(ckpt.root):
-            raise ConfigurationError(
-                f"the checkpoint directory {ckpt.root} already holds checkpoints of steps "
-                f"{complete_steps(ckpt.root)}: resume from them (p2p-run --resume) or give "
-                "this job an empty directory"
-            )
-        state = self._build_state()
+        self._rebuild.check_fresh_start()
+        state = self._take(self._rebuild.build())
         step, extras = 0, self._extras()
         if self.config.resume:
-            assert ckpt is not None  # RecoveryConfig checks that resume has a checkpoint
-            loaded = ColdCheckpointer(ckpt, state, group=self._copies.checkpoint_group())
-            step, extras = loaded.load()
+            step, extras = self._rebuild.resume(state)
             self._apply_extras(extras)
             logger.info("rank %d resumed from the checkpoint of step %d", dist.get_rank(), step)
-        self._start_replication(step, extras)
+        self._copies.start(state, step, extras, recovering=False)
+        self.step_done = step
 
-    def _build_state(self, *, restore_from: RestoreSource | None = None) -> TrainingState:
-        built = build_training(
-            self._build,
-            blob_capacity_bytes=self.config.replication.blob_capacity_bytes,
-            restore_from=restore_from,
-            hooks=self._hooks,
-        )
+    def _take(self, built: Built) -> TrainingState:
         self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
         self.state = built.state
         return built.state
-
-    def _start_replication(
-        self, step: int, extras: dict[str, Any], *, recovering: bool = False
-    ) -> None:
-        assert self.state is not None
-        self._copies.start(self.state, step, extras, recovering=recovering)
-        self.step_done = step
 
     # -- recovery ------------------------------------------------------------------------------
 
@@ -330,14 +301,7 @@ class ProtectedJob:
         tried = 0
         while True:
             info = self._next_generation(cause, tried)
-            rec = RecoveryRecord.after_fault(
-                info.generation,
-                short(cause),
-                caught_t=caught_t,
-                interrupted_t=self._session.interrupt_time() or info.arrived_t,
-                generation_t=info.arrived_t,
-                step_reached=reached,
-            )
+            rec = self._log.after_fault(info, short(cause), caught_t=caught_t, step_reached=reached)
             tried = info.generation
             try:
                 self._enter_generation(info, rec)
@@ -348,15 +312,7 @@ class ProtectedJob:
                     self._shutdown()
                 if action is not Action.RECOVER:
                     raise
-                logger.warning(
-                    "%s: recovery into generation %d failed (%s); waiting for the next",
-                    self._session.identity,
-                    info.generation,
-                    short(e),
-                )
-                self._session.event(
-                    "recovery_abandoned", generation=info.generation, reason=short(e)
-                )
+                self._log.abandoned(info, short(e))
                 self._break_generation()
                 caught_t = time.monotonic()
                 cause = e
@@ -385,7 +341,7 @@ class ProtectedJob:
             raise RecoveryFailed(str(e)) from cause
         except CoordinatorsLost as e:
             self._shutdown()
-            raise self._no_stop_checkpoint(e, cause) from None
+            raise self._no_stop_checkpoint(e, short(cause)) from None
         except JobEnded:
             self._shutdown()
             raise
@@ -397,7 +353,7 @@ class ProtectedJob:
             info = self._session.next_generation(self.config.fault_wait_s, after=self.generation)
         except CoordinatorsLost as e:
             self._shutdown()
-            raise self._no_stop_checkpoint(e, None) from None
+            raise self._no_stop_checkpoint(e, "a resize was pending") from None
         rec = RecoveryRecord(info.generation, "resize", started_t=t0)
         self._copies.stop_for_resize()
         try:
@@ -428,15 +384,10 @@ class ProtectedJob:
 
     def _restore_into(self, info: GenerationInfo, rec: RecoveryRecord) -> None:
         """The restore protocol of one generation; every member runs it together."""
-        rep_cfg = self.config.replication
-        wire = wire_device(rep_cfg, training_device(self._session.device_type))
-        with self._hooks.phase(rec, phases.PLAN):  # census
-            group = self._copies.replication_group()
-            held = gather_copies(self._copies.stores.all, group, wire, rep_cfg.timeout_s)
-        source = self._restore_source(held, info.world_size)
+        with self._hooks.phase(rec, phases.PLAN):
+            census = self._rebuild.census()
+        source = self._rebuild.source(census, info.world_size)
         with self._hooks.phase(rec, phases.BUILD):
-            if source is RestoreSource.INITIAL:
-                restore_rng(self._initial_rng)
             had_model = self.model is not None
             self.model = self.optimizer = self.scheduler = self.state = None
             if had_model and self._session.device_type == "cuda":
@@ -444,151 +395,37 @@ class ProtectedJob:
                 # states): until a collection their GPU memory stays allocated under the new
                 # generation's. One full collection, about 0.1 s, against an out-of-memory.
                 gc.collect()
-            state = self._build_state(
-                restore_from=None if source is RestoreSource.INITIAL else source
-            )
-        rank = info.rank_of(self._session.identity)
-        assert rank is not None  # joining checked it
-        where = Restore(
-            held=held,
-            stores=self._copies.stores.all,
-            replication_group=group,
-            checkpoint_group=self._copies.checkpoint_group,
-            rank=rank,
-            world_size=info.world_size,
-            wire_device=wire,
-            snapshot_device=snapshot_device(rep_cfg, state),
-        )
-        initial = {"user": {}, "loader": self._initial_loader} if self.loader else {"user": {}}
-        restored = restore_state(
-            source,
-            state,
-            where,
-            self.config,
-            initial_extras=initial,
-            rec=rec,
-            hooks=self._hooks,
-        )
-        self._source = restored.peers
+            state = self._take(self._rebuild.build(source))
+        restored = self._rebuild.restore(source, census, state, info, rec)
         step, extras = restored.step, restored.extras
         with self._hooks.phase(rec, phases.DATA):
             self._apply_extras(extras)
         if info.directive == "checkpoint":
-            self._checkpoint_and_stop(info, step)
+            stopped = stop_with_checkpoint(
+                self._session,
+                self.config,
+                state,
+                step,
+                self._extras(),
+                group=self._copies.checkpoint_group(),
+                source=restored.peers,
+                stores=self._copies.stores.all,
+                reason=info.reason,
+            )
+            self._shutdown()
+            raise stopped
         with self._hooks.phase(rec, phases.REPLICATE):
-            self._start_replication(step, extras, recovering=True)
+            self._copies.start(state, step, extras, recovering=True)
+            self.step_done = step
         if self.checkpointer is not None:
             # The fault cut short any checkpoint in progress: the cold fallback must not
             # fall behind for good when faults come faster than a save takes.
             with self._hooks.phase(rec, phases.CHECKPOINT):
                 self._copies.catch_up(step, extras)
-        self._record(info, rec, source, step)
+        self._log.done(rec, info, source, step)
 
-    def _restore_source(self, held: list[set[Any]], world: int) -> RestoreSource:
-        ckpt = self.config.checkpoint
-        try:
-            return choose_restore_source(
-                held,
-                world,
-                checkpoint_root=ckpt.root if ckpt is not None else None,
-                checkpoint_steps=complete_steps,
-            )
-        except RecoveryFailed as e:
-            logger.error("census of the copies held: %s", describe_census(held))
-            self._session.report_failure(str(e), fatal=True)
-            raise
-
-    def _record(
-        self, info: GenerationInfo, rec: RecoveryRecord, source: RestoreSource, step: int
-    ) -> None:
-        rank = info.rank_of(self._session.identity)
-        rec.source, rec.step = source, step
-        self.recoveries.append(rec)
-        self._first_step_pending = rec
-        self._session.event("recovery_done", **rec.done_event(rank, info.world_size))
-        logger.warning("%s", rec.summary(rank))
-
-    def _checkpoint_and_stop(self, info: GenerationInfo, step: int) -> None:
-        """Write the restored ``step`` as the stop checkpoint and end the job.
-
-        Raises:
-            JobStopped: always, once the checkpoint is written.
-        """
-        assert self.state is not None
-        stopped = stop_with_checkpoint(
-            self._session,
-            self.config,
-            self.state,
-            step,
-            self._extras(),
-            group=self._copies.checkpoint_group(),
-            source=self._source,
-            stores=self._copies.stores.all,
-            reason=info.reason,
-        )
-        self._shutdown()
-        raise stopped
-
-    def _stop_without_coordinator(self, step: int) -> None:
-        """No coordinator is left and every rank agreed, through the commit of replication,
-        to stop after ``step``: write it as the stop checkpoint and end the job.
-
-        Raises:
-            JobStopped: always, once the checkpoint is written.
-        """
-        assert self.state is not None
-        # A periodic save of this very step began in after_step(): it is the stop checkpoint.
-        # Any other in flight ends first (its collectives run on the same group). Every rank
-        # decides alike: the steps saved are the same everywhere.
-        ckpt = self.config.checkpoint
-        written = (
-            self.checkpointer is not None and ckpt is not None and step % ckpt.every_steps == 0
-        )
-        self._copies.wait_checkpoint()
-        lost = self._session.coordinators_lost or []
-        stopped = stop_with_checkpoint(
-            self._session,
-            self.config,
-            self.state,
-            step,
-            self._extras(),
-            group=self._existing_checkpoint_group(),
-            source=None,  # every rank of this generation holds its own state of ``step``
-            stores=self._copies.stores.all,
-            reason=f"no coordinator is left ({', '.join(lost)}); the ranks agreed to stop "
-            f"after step {step}",
-            written=written,
-        )
-        self._shutdown()
-        raise stopped
-
-    def _existing_checkpoint_group(self) -> dist.ProcessGroup:
-        """A group of this generation to checkpoint on that exists already: with no
-        coordinator, no store is left to form a new one through. The checkpoint group if the
-        job checkpoints, else the default group (no collective is in flight on it between
-        steps)."""
-        comms = self._session.comms
-        assert comms is not None and comms.default is not None  # a member has its groups
-        return comms.groups.get("checkpoint", comms.default)
-
-    def _no_stop_checkpoint(
-        self, lost: CoordinatorsLost, cause: BaseException | None
-    ) -> RecoveryFailed:
-        """No coordinator is left and this generation could not agree on a step to stop at
-        (a fault broke its groups): say so, naming the last complete checkpoint."""
-        reason = (
-            f"the ranks could not agree on a step to stop at (generation {self.generation} "
-            "broke: a rank is lost or hung too), so no stop checkpoint was written; "
-            f"{last_checkpoint(self.config)}"
-        )
-        self._session.event(
-            "stop_checkpoint_missed",
-            reason=reason,
-            cause=short(cause) if cause is not None else "a resize was pending",
-        )
-        if self._session.client is not None:
-            self._session.client.report_no_checkpoint(reason)
-        return RecoveryFailed(f"{lost.reason}: {reason}")
+    def _no_stop_checkpoint(self, lost: CoordinatorsLost, cause: str) -> RecoveryFailed:
+        return no_stop_checkpoint(self._session, self.config, self.generation, lost, cause)
 
     # -- plumbing ------------------------------------------------------------------------------
 

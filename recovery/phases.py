@@ -1,4 +1,4 @@
-"""The names of a recovery's phases, as :class:`recovery.config.RecoveryRecord` records them.
+"""The names of a recovery's phases, as :class:`recovery.records.RecoveryRecord` records them.
 
 Defined once here and shared by the engine, the benches, the demo and the tests (this module
 imports nothing, so the control plane and the report tools can use it without torch).

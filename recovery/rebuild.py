@@ -1,14 +1,17 @@
 """Build and restore: a generation's model, optimizer and state, from the factory and a source.
 
-Every member of a new generation runs the factory on the new groups (FSDP2 binds its process
-group when ``fully_shard`` runs, so nothing of the old wrapping is reused), then fills what it
-built from the source :func:`recovery.source.choose_restore_source` chose: the members' copies,
-the cold checkpoint, or the initial state.
+Every member of a new generation takes the census of the copies the members hold, runs the
+factory on the new groups (FSDP2 binds its process group when ``fully_shard`` runs, and a step
+cut short leaves FSDP's internal state half-way, so nothing of the old wrapping is reused), then
+fills what it built from the source :func:`recovery.source.choose_restore_source` chose: the
+members' copies, the cold checkpoint, or the initial state. :class:`Rebuilder` holds what these
+steps need across generations; the job calls them in the order of ``docs/recovery.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,13 +23,20 @@ from p2p_state.replicator import Replicator
 from p2p_state.snapshot import Copy
 from p2p_state.state import TrainingState
 from recovery import phases
-from recovery.checkpoint import CheckpointConfig, ColdCheckpointer
-from recovery.config import RecoveryConfig, RecoveryRecord
+from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
+from recovery.config import RecoveryConfig
+from recovery.devices import snapshot_device, training_device, wire_device
+from recovery.errors import ConfigurationError, RecoveryFailed
 from recovery.hooks import JobHooks
 from recovery.planner import Source
-from recovery.restore import restore_from_peers
-from recovery.source import RestoreSource
-from recovery.warmup import Build, building_for_restore
+from recovery.records import RecoveryRecord
+from recovery.replication import JobReplication
+from recovery.restore import describe_census, gather_copies, restore_from_peers
+from recovery.session import GenerationInfo, Session
+from recovery.source import RestoreSource, choose_restore_source
+from recovery.warmup import Build, building_for_restore, capture_rng, restore_rng
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -147,3 +157,144 @@ def restore_state(
         return Restored(step, extras, None)
     # Nothing was replicated yet: start again from the initial state.
     return Restored(0, initial_extras, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """The copies every member of a generation holds, and the group they were counted over."""
+
+    held: list[set[Copy]]
+    """``held[rank]`` is what that member holds."""
+    group: dist.ProcessGroup
+    """This generation's replication group (the restore's transfers go over it too)."""
+    wire_device: torch.device
+
+
+class Rebuilder:
+    """One rank's part of building and restoring, at the start and in every generation.
+
+    Args:
+        session: This process's membership (its groups, and where failures are reported).
+        config: The job's settings.
+        build: The factory given to ``protect()``.
+        copies: The rank's copies (their stores are read; their groups are used).
+        hooks: Told of every build and restore phase.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        config: RecoveryConfig,
+        build: Build,
+        copies: JobReplication,
+        hooks: JobHooks,
+    ) -> None:
+        self._session = session
+        self._config = config
+        self._build = build
+        self._copies = copies
+        self._hooks = hooks
+        self._initial_rng: dict[str, Any] = {}
+        self._initial_extras: dict[str, Any] = {"user": {}}
+
+    def remember_initial(self, loader: Any) -> None:
+        """Keep the initial state's RNG and data position (``protect()`` begins): a job whose
+        steps were never replicated starts again from there (:attr:`RestoreSource.INITIAL`)."""
+        self._initial_rng = capture_rng()
+        if loader is not None:
+            self._initial_extras = {"user": {}, "loader": loader.state_dict()}
+
+    def check_fresh_start(self) -> None:
+        """Refuse to start a job afresh over another run's checkpoints.
+
+        Raises:
+            ConfigurationError: the checkpoint directory holds checkpoints and the job does not
+                resume from them.
+        """
+        ckpt = self._config.checkpoint
+        if ckpt is not None and not self._config.resume and complete_steps(ckpt.root):
+            raise ConfigurationError(
+                f"the checkpoint directory {ckpt.root} already holds checkpoints of steps "
+                f"{complete_steps(ckpt.root)}: resume from them (p2p-run --resume) or give "
+                "this job an empty directory"
+            )
+
+    def resume(self, state: TrainingState) -> tuple[int, dict[str, Any]]:
+        """Load the newest complete checkpoint into ``state``: its step and extras."""
+        assert self._config.checkpoint is not None  # RecoveryConfig checks resume has one
+        group = self._copies.checkpoint_group()
+        return ColdCheckpointer(self._config.checkpoint, state, group=group).load()
+
+    def build(self, source: RestoreSource | None = None) -> Built:
+        """Run the factory on this generation's groups (see :func:`build_training`).
+
+        Args:
+            source: Where the state built is restored from next (``None``: nowhere, a fresh
+                start). From the initial state, the RNG is first set back to what it was.
+        """
+        if source is RestoreSource.INITIAL:
+            restore_rng(self._initial_rng)
+        return build_training(
+            self._build,
+            blob_capacity_bytes=self._config.replication.blob_capacity_bytes,
+            restore_from=None if source is RestoreSource.INITIAL else source,
+            hooks=self._hooks,
+        )
+
+    def census(self) -> Census:
+        """What every member holds; all members call it together."""
+        rep = self._config.replication
+        wire = wire_device(rep, training_device(self._session.device_type))
+        group = self._copies.replication_group()
+        held = gather_copies(self._copies.stores.all, group, wire, rep.timeout_s)
+        return Census(held, group, wire)
+
+    def source(self, census: Census, world_size: int) -> RestoreSource:
+        """Where the members restore from (the same on every member: the census is shared).
+
+        Raises:
+            RecoveryFailed: some shard is lost for good; the coordinator is told it is fatal.
+        """
+        ckpt = self._config.checkpoint
+        try:
+            return choose_restore_source(
+                census.held,
+                world_size,
+                checkpoint_root=ckpt.root if ckpt is not None else None,
+                checkpoint_steps=complete_steps,
+            )
+        except RecoveryFailed as e:
+            logger.error("census of the copies held: %s", describe_census(census.held))
+            self._session.report_failure(str(e), fatal=True)
+            raise
+
+    def restore(
+        self,
+        source: RestoreSource,
+        census: Census,
+        state: TrainingState,
+        info: GenerationInfo,
+        rec: RecoveryRecord,
+    ) -> Restored:
+        """Fill ``state`` from ``source`` (see :func:`restore_state`); all members together."""
+        rank = info.rank_of(self._session.identity)
+        assert rank is not None  # joining checked it
+        where = Restore(
+            held=census.held,
+            stores=self._copies.stores.all,
+            replication_group=census.group,
+            checkpoint_group=self._copies.checkpoint_group,
+            rank=rank,
+            world_size=info.world_size,
+            wire_device=census.wire_device,
+            snapshot_device=snapshot_device(self._config.replication, state),
+        )
+        return restore_state(
+            source,
+            state,
+            where,
+            self._config,
+            initial_extras=self._initial_extras,
+            rec=rec,
+            hooks=self._hooks,
+        )

@@ -23,7 +23,7 @@ from p2p_state.layout import LayoutMismatchError
 from p2p_state.replicator import ReplicaCorruptError, Replicator
 from p2p_state.snapshot import Copy, Slot
 from p2p_state.state import TrainingState
-from p2p_state.transfer import Recv, Send, exchange, gather_bytes, transfer_tag
+from p2p_state.transfer import RecvBuffer, SendBuffer, exchange, gather_bytes, transfer_tag
 from recovery import phases
 from recovery.planner import RestorePlan, Source, choose_source, plan_restore, shard_layout
 
@@ -73,9 +73,13 @@ def execute_plan(
             if src.data_ptr() != dst.data_ptr():  # restoring straight from a held copy
                 dst.copy_(src)
         elif t.src == rank:
-            sends.append(Send(t.dst, source(t.owner)[t.src_start : t.src_end], transfer_tag(i)))
+            sends.append(
+                SendBuffer(t.dst, source(t.owner)[t.src_start : t.src_end], transfer_tag(i))
+            )
         elif t.dst == rank:
-            recvs.append(Recv(t.src, target[t.dst_start : t.dst_start + t.nbytes], transfer_tag(i)))
+            recvs.append(
+                RecvBuffer(t.src, target[t.dst_start : t.dst_start + t.nbytes], transfer_tag(i))
+            )
             received += t.nbytes
     exchange(sends, recvs, group, chunk_bytes=chunk_bytes, timeout_s=timeout_s)
     logger.info(

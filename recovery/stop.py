@@ -23,10 +23,11 @@ from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
 from recovery.config import RecoveryConfig
-from recovery.errors import JobStopped
+from recovery.errors import JobStopped, RecoveryFailed
 from recovery.planner import Source, shard_layout
+from recovery.replication import JobReplication
 from recovery.restore import find_copy
-from recovery.session import Session
+from recovery.session import CoordinatorsLost, Session
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,70 @@ def stop_with_checkpoint(
         session.client.report_done(checkpoint_step=step, checkpoint_root=root)
     logger.error("the job stops: %s; a checkpoint of step %d is in %s", reason, step, root)
     return JobStopped(f"{reason}; a checkpoint of step {step} is in {root}")
+
+
+def stop_without_coordinator(
+    session: Session,
+    config: RecoveryConfig,
+    state: TrainingState,
+    step: int,
+    extras: dict[str, Any],
+    copies: JobReplication,
+) -> JobStopped:
+    """No coordinator is left and every rank agreed, through the commit of replication, to stop
+    after ``step``: write it as the stop checkpoint.
+
+    Returns:
+        The ending to raise once the job has shut down.
+    """
+    # A periodic save of this very step began in after_step(): it is the stop checkpoint. Any
+    # other in flight ends first (its collectives run on the same group). Every rank decides
+    # alike: the steps saved are the same everywhere.
+    ckpt = config.checkpoint
+    written = copies.checkpointer is not None and ckpt is not None and step % ckpt.every_steps == 0
+    copies.wait_checkpoint()
+    lost = session.coordinators_lost or []
+    return stop_with_checkpoint(
+        session,
+        config,
+        state,
+        step,
+        extras,
+        group=_existing_checkpoint_group(session),
+        source=None,  # every rank of this generation holds its own state of ``step``
+        stores=copies.stores.all,
+        reason=f"no coordinator is left ({', '.join(lost)}); the ranks agreed to stop after "
+        f"step {step}",
+        written=written,
+    )
+
+
+def _existing_checkpoint_group(session: Session) -> dist.ProcessGroup:
+    """A group of this generation to checkpoint on that exists already: with no coordinator,
+    no store is left to form a new one through. The checkpoint group if the job checkpoints,
+    else the default group (no collective is in flight on it between steps)."""
+    comms = session.comms
+    assert comms is not None and comms.default is not None  # a member has its groups
+    return comms.groups.get("checkpoint", comms.default)
+
+
+def no_stop_checkpoint(
+    session: Session,
+    config: RecoveryConfig,
+    generation: int,
+    lost: CoordinatorsLost,
+    cause: str,
+) -> RecoveryFailed:
+    """No coordinator is left and this generation could not agree on a step to stop at (a
+    fault broke its groups): say so, naming the last complete checkpoint."""
+    reason = (
+        f"the ranks could not agree on a step to stop at (generation {generation} broke: a "
+        f"rank is lost or hung too), so no stop checkpoint was written; {last_checkpoint(config)}"
+    )
+    session.event("stop_checkpoint_missed", reason=reason, cause=cause)
+    if session.client is not None:
+        session.client.report_no_checkpoint(reason)
+    return RecoveryFailed(f"{lost.reason}: {reason}")
 
 
 def last_checkpoint(config: RecoveryConfig) -> str:

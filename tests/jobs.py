@@ -1,4 +1,4 @@
-"""Real p2p-run jobs on this machine for tests (``bench.runner``), with test-friendly settings.
+"""Real p2p-run jobs on this machine for tests (``launcher.testing``), with test-friendly settings.
 
 ``start_job`` (a fixture in ``tests/conftest.py``) starts one; its teardown SIGKILLs whatever
 is left of every job it started.
@@ -9,12 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench.runner import LocalJob, _alive
+from launcher.testing import LocalJob
 
 WORKER = str(Path(__file__).parent / "launcher" / "scripts" / "engine_worker.py")
 DEADLINE_S = 60.0
-
-alive = _alive
 
 
 def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):

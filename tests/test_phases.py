@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench.phases import (
+    SilentFault,
+    as_json,
     checkpointless_faults,
     merged_downtime,
     not_fired,
@@ -69,26 +71,42 @@ def engine_log(restored: int):
 
 def test_checkpointless_phases_add_up_to_the_downtime():
     (f,) = checkpointless_faults(engine_log(restored=5))
-    assert f["step_reached"] == 5 and f["step_restored"] == 5 and f["steps_lost"] == 0
-    assert f["phases"]["detect"] == pytest.approx(0.03)
-    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
-    assert f["downtime_s"] == pytest.approx(0.3)  # back at step 5 when the last rank restored
-    assert f["recovery_s"] == pytest.approx(0.7)
-    assert list(f["phases"])[:2] == ["detect", "interrupt"] and "recompute" not in f["phases"]
-    assert f["bytes_received"] == 100  # only the spare received
+    assert f.step_reached == 5 and f.step_restored == 5 and f.steps_lost == 0
+    assert f.phases["detect"] == pytest.approx(0.03)
+    assert sum(f.phases.values()) == pytest.approx(f.downtime_s)
+    assert f.downtime_s == pytest.approx(0.3)  # back at step 5 when the last rank restored
+    assert f.recovery_s == pytest.approx(0.7)
+    assert list(f.phases)[:2] == ["detect", "interrupt"] and "recompute" not in f.phases
+    assert f.bytes_received == 100  # only the spare received
+    # The report's row: one key per field, in the order the reports have always had.
+    assert list(as_json([f])[0]) == [
+        "spec",
+        "t_fault",
+        "generation",
+        "step_reached",
+        "step_restored",
+        "steps_lost",
+        "restored_from",
+        "phases",
+        "downtime_s",
+        "recovery_s",
+        "bytes_received",
+    ]
 
 
 def test_an_older_restored_step_is_recomputed_before_the_downtime_ends():
     (f,) = checkpointless_faults(engine_log(restored=3))
-    assert f["steps_lost"] == 2
-    assert f["phases"]["recompute"] == pytest.approx(16.0 + 5 - 3 - 15.5)
-    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
+    assert f.steps_lost == 2
+    assert f.phases["recompute"] == pytest.approx(16.0 + 5 - 3 - 15.5)
+    assert sum(f.phases.values()) == pytest.approx(f.downtime_s)
 
 
 def test_a_silent_fault_has_no_recovery():
     events = [_ev(1.0, "step_done", step=1), _ev(1.5, "fault_injected", fault="bitflip:rank=1")]
     (f,) = checkpointless_faults(events)
-    assert f["silent"] and "phases" not in f
+    assert isinstance(f, SilentFault) and as_json([f]) == [
+        {"spec": "bitflip:rank=1", "t_fault": 1.5, "silent": True}
+    ]
 
 
 def test_restart_phases_follow_the_new_attempt():
@@ -103,11 +121,11 @@ def test_restart_phases_follow_the_new_attempt():
     )
     marks += [_ev(34.5, "step_done", step=6, rank=0), _ev(35.0, "step_done", step=7, rank=0)]
     (f,) = restart_faults(marks, [("kill:rank=2@step=8", 7.5)])
-    assert f["step_reached"] == 6 and f["step_restored"] == 5 and f["steps_lost"] == 1
-    assert f["phases"]["terminate"] == pytest.approx(22.5)
-    assert f["phases"]["restart processes"] == pytest.approx(2.3)
-    assert f["phases"]["recompute"] == pytest.approx(0.4)
-    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"]) == pytest.approx(27.0)
+    assert f.step_reached == 6 and f.step_restored == 5 and f.steps_lost == 1
+    assert f.phases["terminate"] == pytest.approx(22.5)
+    assert f.phases["restart processes"] == pytest.approx(2.3)
+    assert f.phases["recompute"] == pytest.approx(0.4)
+    assert sum(f.phases.values()) == pytest.approx(f.downtime_s) == pytest.approx(27.0)
 
 
 def test_step_reached_and_timeline():
@@ -125,15 +143,15 @@ def test_a_step_finished_by_other_ranks_after_the_fault_counts_as_lost():
         if e["event"] == "recovery_done":
             e["step_reached"] = 6 if e["rank"] == 2 else 5
     (f,) = checkpointless_faults(events)
-    assert f["step_reached"] == 6 and f["steps_lost"] == 1
+    assert f.step_reached == 6 and f.steps_lost == 1
     # Training is back only once step 6 is done again.
-    assert f["phases"]["recompute"] == pytest.approx(16.0 + 6 - 5 - 15.5)
-    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
+    assert f.phases["recompute"] == pytest.approx(16.0 + 6 - 5 - 15.5)
+    assert sum(f.phases.values()) == pytest.approx(f.downtime_s)
     # Without the ranks' reports, only rank 0's view is left (the count the check can miss).
     for e in events:
         e.pop("step_reached", None)
     (g,) = checkpointless_faults(events)
-    assert g["steps_lost"] == 0
+    assert g.steps_lost == 0
 
 
 def test_overlapping_downtimes_are_counted_once():
@@ -176,7 +194,7 @@ def test_a_phase_a_rank_reports_beyond_the_known_ones_is_not_counted_as_interrup
 
     (f,) = checkpointless_faults(log({"checkpoint": 0.1}))
     (g,) = checkpointless_faults(log({}))
-    assert f["phases"]["checkpoint"] == pytest.approx(0.1)
-    assert list(f["phases"])[-1] == "checkpoint" and "checkpoint" not in g["phases"]
-    assert f["phases"]["interrupt"] == pytest.approx(g["phases"]["interrupt"] - 0.1)
-    assert sum(f["phases"].values()) == pytest.approx(f["downtime_s"])
+    assert f.phases["checkpoint"] == pytest.approx(0.1)
+    assert list(f.phases)[-1] == "checkpoint" and "checkpoint" not in g.phases
+    assert f.phases["interrupt"] == pytest.approx(g.phases["interrupt"] - 0.1)
+    assert sum(f.phases.values()) == pytest.approx(f.downtime_s)

@@ -12,7 +12,7 @@ from launcher.membership import (
     Membership,
     MembershipConfig,
     Process,
-    Send,
+    SendGeneration,
     SpawnSpare,
 )
 
@@ -47,7 +47,7 @@ def ack_all(m, now=0.1):
 
 def test_first_generation_starts_when_every_rank_joined():
     m, out = job(spares=0)
-    sends = of(out, Send)
+    sends = of(out, SendGeneration)
     assert len(sends) == 1 and sends[0].generation.generation == 1
     assert sends[0].generation.ranks == {r: f"rank/{r}" for r in range(4)}
     assert sends[0].generation.nodes == {0: 0, 1: 0, 2: 1, 3: 1}
@@ -61,7 +61,7 @@ def test_a_crash_hands_the_rank_to_a_spare_in_one_message():
         m.report_replicated(f"rank/{r}", 7)
     out = m.exited("rank/1", -9, 1.0)
     assert "spare_assigned" in names(out)
-    (send,) = of(out, Send)
+    (send,) = of(out, SendGeneration)
     g = send.generation
     assert g.generation == 2 and g.ranks[1] == "spare/0" and g.lost == [1]
     assert g.replaced == {1: ["rank/1", "spare/0"]} and g.committed_step == 7
@@ -95,7 +95,7 @@ def test_missed_heartbeats_kill_the_hung_rank_and_replace_it():
             m.heartbeat(identity, 5.0)
     out = m.tick(5.0)
     assert of(out, Kill) == [Kill(1, "rank/2", 1002, "missed heartbeats")]
-    assert of(out, Send)[0].generation.ranks[2] == "spare/0"
+    assert of(out, SendGeneration)[0].generation.ranks[2] == "spare/0"
 
 
 def test_a_lost_agent_loses_its_whole_node():
@@ -144,7 +144,7 @@ def test_stragglers_past_the_ack_deadline_are_faults_and_start_the_next_generati
         m.ack(identity, 1, 0.5)
     out = m.tick(3.0)
     assert of(out, Kill)[0].identity == "rank/3"
-    assert of(out, Send)[0].generation.generation == 2
+    assert of(out, SendGeneration)[0].generation.generation == 2
 
 
 def test_a_fault_during_a_generation_change_supersedes_it():
@@ -160,7 +160,7 @@ def test_no_spare_waits_then_the_survivors_checkpoint_and_the_job_fails_clearly(
     m, _ = job(spares=0, spare_wait_s=10.0, heartbeat_timeout_s=100.0)
     ack_all(m)
     out = m.exited("rank/3", -9, 1.0)
-    assert "waiting_for_spare" in names(out) and not of(out, Send)
+    assert "waiting_for_spare" in names(out) and not of(out, SendGeneration)
     # The survivors are stopped at once and told how long a spare may take.
     (notice,) = of(out, Interrupt)
     assert notice.to == ("rank/0", "rank/1", "rank/2") and notice.lost == (3,)
@@ -169,7 +169,7 @@ def test_no_spare_waits_then_the_survivors_checkpoint_and_the_job_fails_clearly(
     out = m.tick(11.5)
     assert not of(out, End)
     # One last generation of the survivors, renumbered, restores and checkpoints, then stops.
-    (final,) = of(out, Send)
+    (final,) = of(out, SendGeneration)
     gen = final.generation
     assert gen.directive == "checkpoint" and gen.world_size == 3 and gen.lost == [3]
     assert gen.ranks == {0: "rank/0", 1: "rank/1", 2: "rank/2"}
@@ -210,7 +210,7 @@ def test_a_spare_arriving_in_time_fills_the_vacancy():
     ack_all(m)
     m.exited("rank/3", -9, 1.0)
     out = m.hello(Process("spare/9", "spare", 1, 3000), None, 4.0)
-    assert of(out, Send)[0].generation.ranks[3] == "spare/9"
+    assert of(out, SendGeneration)[0].generation.ranks[3] == "spare/9"
 
 
 def test_job_ends_when_every_rank_finished_and_late_exit_reports_change_nothing():
@@ -260,8 +260,8 @@ def test_spares_arriving_one_by_one_are_all_in_the_one_generation():
     m.exited("rank/1", -9, 1.0)
     m.exited("rank/2", -9, 1.0)
     out = m.hello(Process("spare/a", "spare", 0, 3000), None, 2.0)
-    assert not of(out, Send)  # rank 2 still waits for a spare
-    (send,) = of(m.hello(Process("spare/b", "spare", 1, 3001), None, 3.0), Send)
+    assert not of(out, SendGeneration)  # rank 2 still waits for a spare
+    (send,) = of(m.hello(Process("spare/b", "spare", 1, 3001), None, 3.0), SendGeneration)
     gen = send.generation
     assert gen.replaced == {1: ["rank/1", "spare/a"], 2: ["rank/2", "spare/b"]}
     assert gen.lost == [1, 2]
@@ -294,7 +294,7 @@ def test_a_failure_after_the_others_completed_ends_the_job_with_its_reason():
     for r in (0, 1, 2):
         m.report_done(f"rank/{r}")
     out = m.exited("rank/3", -9, 5.0)
-    assert not of(out, Send), "no generation once the training has completed"
+    assert not of(out, SendGeneration), "no generation once the training has completed"
     out += [a for r in (0, 1, 2) for a in m.exited(f"rank/{r}", 0, 6.0)]
     (end,) = of(out, End)
     assert end.code == 1 and "rank 3" in end.reason and "completed" in end.reason
@@ -306,7 +306,7 @@ def test_a_rank_that_ends_without_saying_done_stops_every_decision():
     ack_all(m)
     assert names(m.exited("rank/2", 0, 1.0)) == ["rank_finished"]
     out = m.tick(2.0) + m.hello(Process("spare/9", "spare", 1, 3000), None, 2.5) + m.tick(40.0)
-    assert not of(out, Send) and not of(out, End)
+    assert not of(out, SendGeneration) and not of(out, End)
 
 
 def _replicate(m, step):
@@ -320,13 +320,13 @@ def test_a_fault_that_repeats_on_every_recovery_stops_the_job_after_max_restarts
     _replicate(m, 7)
     # The spare given rank 1 dies while restoring, twice: each time the job recovers again.
     out = m.exited("rank/1", -9, 1.0)
-    assert of(out, Send)[0].generation.directive == "train"
+    assert of(out, SendGeneration)[0].generation.directive == "train"
     out = m.exited(m.ranks[1], 1, 2.0)
-    assert of(out, Send)[0].generation.directive == "train"
+    assert of(out, SendGeneration)[0].generation.directive == "train"
     # The third loss without a new committed step uses up the budget: the survivors (the
     # failing rank is among the lost) checkpoint step 7 and the job ends, spares unused.
     out = m.exited(m.ranks[1], 1, 3.0)
-    (final,) = of(out, Send)
+    (final,) = of(out, SendGeneration)
     gen = final.generation
     assert gen.directive == "checkpoint" and gen.world_size == 3 and gen.committed_step == 7
     assert "--max-restarts 2" in gen.reason and "past step 7" in gen.reason
@@ -340,7 +340,7 @@ def test_faults_with_progress_between_them_are_recovered_without_limit():
         _replicate(m, 10 * k)
         m.hello(Process(f"spare/new{k}", "spare", 0, 5000 + k), None, k + 0.2)
         out = m.exited(m.ranks[2], -9, k + 0.5)
-        (send,) = of(out, Send)
+        (send,) = of(out, SendGeneration)
         assert send.generation.directive == "train" and send.generation.committed_step == 10 * k
         ack_all(m, k + 0.6)
         _replicate(m, 10 * k)  # the restored step again is not progress...
@@ -352,7 +352,7 @@ def test_faults_with_progress_between_them_are_recovered_without_limit():
 def test_max_restarts_zero_stops_at_the_first_fault():
     m, _ = job(spares=1, max_restarts=0, heartbeat_timeout_s=100.0)
     ack_all(m)
-    (final,) = of(m.exited("rank/0", -9, 1.0), Send)
+    (final,) = of(m.exited("rank/0", -9, 1.0), SendGeneration)
     assert final.generation.directive == "checkpoint"
     assert "--max-restarts is 0" in final.generation.reason
     with pytest.raises(ValueError, match="max_restarts"):

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from launcher.events import read_events
-from tests.jobs import WORKER, alive, wait_for
+from launcher.testing import alive
+from tests.jobs import WORKER, wait_for
 
 pytestmark = pytest.mark.slow
 

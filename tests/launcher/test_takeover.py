@@ -12,7 +12,7 @@ from launcher import mirror, protocol
 from launcher.coordinator import Coordinator, CoordinatorConfig
 from launcher.events import read_events
 from launcher.link import CoordinatorLinks
-from launcher.membership import Membership, MembershipConfig, Send
+from launcher.membership import Membership, MembershipConfig, SendGeneration
 from tests.launcher.test_membership import ack_all, job, of
 
 SECRET = b"s" * 64
@@ -40,17 +40,19 @@ def test_the_mirror_carries_every_decision_the_active_coordinator_made():
     # Every member gets a fresh heartbeat at the takeover (it needs a moment to reconnect).
     assert standby.last_seen == dict.fromkeys(m.procs, 5.0)
     # It decides as the active one would have from here on.
-    assert of(standby.exited("rank/3", -9, 2.0), Send) == of(m.exited("rank/3", -9, 2.0), Send)
+    assert of(standby.exited("rank/3", -9, 2.0), SendGeneration) == of(
+        m.exited("rank/3", -9, 2.0), SendGeneration
+    )
 
 
 def test_a_takeover_between_faults_sends_nothing_and_one_during_a_recovery_restarts_it():
     m, _ = job(spares=1)
     ack_all(m)
     quiet = _copy(m)
-    assert not of(quiet.took_over(5.0), Send), "training between faults is left alone"
+    assert not of(quiet.took_over(5.0), SendGeneration), "training between faults is left alone"
     m.exited("rank/1", -9, 1.0)
     standby = _copy(m)
-    (send,) = of(standby.took_over(5.0), Send)
+    (send,) = of(standby.took_over(5.0), SendGeneration)
     g = send.generation
     assert g.generation == 3 and g.store_prefix == "gen3/", "a fresh rendezvous"
     assert g.replaced == {1: ["rank/1", "spare/0"]} and g.lost == [1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from p2p_state import transfer
-from p2p_state.transfer import Recv, Send, exchange, posting_order, transfer_tag
+from p2p_state.transfer import RecvBuffer, SendBuffer, exchange, posting_order, transfer_tag
 
 
 def _buf(n: int) -> torch.Tensor:
@@ -28,8 +28,8 @@ def test_every_round_is_posted_in_tag_order_per_pair(monkeypatch) -> None:
         transfer.dist, "batch_isend_irecv", lambda ops: posted.append(ops) or [Done()]
     )
     # Given out of tag order (as a restore may list them), to and from the same peer.
-    sends = [Send(1, _buf(10), transfer_tag(2)), Send(1, _buf(10), transfer_tag(0))]
-    recvs = [Recv(1, _buf(10), transfer_tag(1)), Recv(2, _buf(20), transfer_tag(0))]
+    sends = [SendBuffer(1, _buf(10), transfer_tag(2)), SendBuffer(1, _buf(10), transfer_tag(0))]
+    recvs = [RecvBuffer(1, _buf(10), transfer_tag(1)), RecvBuffer(2, _buf(20), transfer_tag(0))]
     exchange(sends, recvs, group=None, chunk_bytes=10, timeout_s=5.0)
     t1, t2 = transfer_tag(1), transfer_tag(2)
     assert posted == [

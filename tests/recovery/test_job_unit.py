@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 
 from launcher.client import ControlClient
-from p2p_state import api
+from recovery import api
 from recovery.comms import Comms
 from recovery.config import RecoveryConfig
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed, exit_code_of
@@ -353,3 +353,42 @@ def test_a_user_error_during_a_recovery_shuts_the_job_down(session):
     with pytest.raises(TypeError, match="factory"):
         job._recover(RuntimeError(GLOO_PEER_CLOSED))  # as from __enter__, outside any `with`
     job._shutdown.assert_called()
+
+
+def test_the_first_step_after_a_recovery_is_reported_once(session):
+    from recovery.records import RecoveryLog, RecoveryRecord
+    from recovery.source import RestoreSource
+
+    log = RecoveryLog(session)
+    log.step_done(1, rank=0)
+    assert session.event.call_args_list == [mock.call("step_done", step=1)]
+    rec = RecoveryRecord(2, "a fault", started_t=time.monotonic())
+    log.done(rec, _info(2), RestoreSource.PEERS, 1)
+    assert log.records == [rec] and (rec.source, rec.step) == (RestoreSource.PEERS, 1)
+    session.event.reset_mock()
+    log.step_done(2, rank=1)
+    log.step_done(3, rank=1)
+    (first,) = session.event.call_args_list  # rank 1 reports no step_done; only one first step
+    assert first.args == ("first_step_done",) and first.kwargs["step"] == 2
+
+
+def test_a_lost_shard_with_no_checkpoint_is_reported_fatal_before_it_is_raised(session):
+    from p2p_state.snapshot import Copy
+    from recovery.config import RecoveryConfig
+    from recovery.hooks import JobHooks
+    from recovery.rebuild import Census, Rebuilder
+    from recovery.replication import JobReplication
+    from recovery.source import RestoreSource
+
+    config = RecoveryConfig()
+    hooks = JobHooks()
+    rebuild = Rebuilder(
+        session, config, lambda: None, JobReplication(session, config, hooks), hooks
+    )
+    complete = Census([{Copy(2, 0, 2, True)}, {Copy(2, 1, 2, True)}], mock.Mock(), mock.Mock())
+    assert rebuild.source(complete, 2) is RestoreSource.PEERS
+    session.report_failure.assert_not_called()
+    lost = Census([{Copy(2, 0, 2, True)}, set()], mock.Mock(), mock.Mock())
+    with pytest.raises(RecoveryFailed, match=r"ranks \[1\]"):
+        rebuild.source(lost, 2)
+    session.report_failure.assert_called_once_with(mock.ANY, fatal=True)

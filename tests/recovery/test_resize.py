@@ -12,7 +12,8 @@ import time
 import pytest
 
 from bench.faults import parse_fault
-from bench.runner import EXAMPLE, LocalJob, bitwise_differences, run_example
+from bench.runner import EXAMPLE, bitwise_differences, run_example
+from launcher.testing import LocalJob
 from tests.recovery.conftest import JOB_DEADLINE_S
 
 pytestmark = pytest.mark.slow

@@ -131,8 +131,8 @@ def test_the_plain_baseline_resumes_from_its_s3_checkpoint(s3_bucket, tmp_path):
     for step in (3, 6):
         assert f"step-{step}/.metadata" in keys, keys
     (fault,) = restart_faults(run.marks, run.kills)
-    assert fault["step_reached"] == 4 and fault["step_restored"] == 3, fault
-    assert fault["steps_lost"] == 1
+    assert fault.step_reached == 4 and fault.step_restored == 3, fault
+    assert fault.steps_lost == 1
     loaded = [m["step"] for m in run.marks if m["event"] == "checkpoint_loaded"]
     assert loaded[:2] == [0, 0] and set(loaded[2:]) == {3}, loaded
     assert sorted(run.results) == [0, 1]

@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from launcher.testing import alive
+
 NODES = ("n1", "n2", "n3")
 BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
 _START_S = 30.0
@@ -135,22 +137,11 @@ class Cluster:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.1)
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child of ours counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start(root: Path) -> Cluster:

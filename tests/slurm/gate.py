@@ -24,13 +24,13 @@ def attach(job: Any) -> None:
     """Add the gate hook to a protected job."""
     import torch.distributed as dist
 
-    import p2p_state
+    import recovery.api
 
     gates = {int(k) for k in os.environ.get(ENV_GATES, "").split(",") if k}
     folder = Path(os.environ.get("P2P_RUN_DIR", ".")) / "gates"
     folder.mkdir(parents=True, exist_ok=True)
     timeout_s = float(os.environ.get(ENV_GATE_TIMEOUT, "120"))
-    session = p2p_state.api.current_session()
+    session = recovery.api.current_session()
 
     def hook(point: str, **info: Any) -> None:
         if point != "step_begin" or info["step"] not in gates:

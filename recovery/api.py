@@ -1,8 +1,9 @@
 """The user-facing API: ``p2p_state.init_process_group()`` and ``p2p_state.protect()``.
 
 A thin facade over the recovery engine (``recovery``) and the control-plane client
-(``launcher.client``); the data-plane modules of ``p2p_state`` never import either. Everything is
-imported when first called, so ``import p2p_state`` stays light and free of import cycles.
+(``launcher.client``), at the top of the layers: it imports them, nothing below imports it.
+``p2p_state`` re-exports its functions by name, resolved on first use, so ``import p2p_state``
+(and the control plane, which needs only ``p2p_state.placement``) stays free of torch.
 
 A training script changes by a handful of lines::
 
@@ -36,12 +37,27 @@ import atexit
 import logging
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from recovery.config import RecoveryConfig
-    from recovery.job import ProtectedJob
-    from recovery.session import Session
+import torch
+
+from launcher.client import ClientConfig
+from launcher.protocol import (
+    ENV_CHECKPOINT_DIR,
+    ENV_CHECKPOINT_EVERY,
+    ENV_COORDINATOR,
+    ENV_REPLICAS,
+    ENV_RESUME,
+)
+from p2p_state.config import ReplicationConfig
+from recovery.checkpoint import CheckpointConfig
+from recovery.comms import Interrupted
+from recovery.config import RecoveryConfig
+from recovery.errors import EXIT_OK, ConfigurationError, RecoveryFailed, exit_code_of
+from recovery.job import ProtectedJob
+from recovery.session import JobEnded, NotAMember, Session, default_backend, device_type_of_job
+from recovery.warmup import restoring as _restoring
+from recovery.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -83,30 +99,18 @@ def init_process_group(
         TimeoutError: no generation in time (names the setting).
     """
     global _session
-    import torch
-
-    from launcher import protocol
-    from launcher.client import ClientConfig
-    from recovery.comms import Interrupted
-    from recovery.errors import EXIT_OK, exit_code_of
-    from recovery.session import JobEnded, NotAMember, Session
-
     if _session is not None:
         raise RuntimeError("p2p_state.init_process_group() was already called in this process")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    client_config = ClientConfig.from_env() if os.environ.get(protocol.ENV_COORDINATOR) else None
+    device_type = device_type_of_job()
+    client_config = ClientConfig.from_env() if os.environ.get(ENV_COORDINATOR) else None
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if client_config is not None and client_config.role == "spare":
-        # A spare joins the pool only once it is warm: what it needs before its first step
-        # costs nothing on the recovery's critical path.
-        import recovery.job  # noqa: F401  (what a restore runs: DCP, the planner, replication)
-        from recovery.session import default_backend
-        from recovery.warmup import warm_up
-
-        if warmup is not None:
-            seconds = warm_up(warmup, backend or default_backend(device_type), warmup_step)
-            logger.info("spare warmed up in %.2f s", seconds)
+    # A spare joins the pool only once it is warm: what it needs before its first step (what a
+    # restore runs, DCP, the planner, replication, is imported with this module) costs nothing
+    # on the recovery's critical path.
+    if client_config is not None and client_config.role == "spare" and warmup is not None:
+        seconds = warm_up(warmup, backend or default_backend(device_type), warmup_step)
+        logger.info("spare warmed up in %.2f s", seconds)
     session = Session(client_config, timeout_s=timeout_s, device_type=device_type, backend=backend)
     atexit.register(session.close)
     if client_config is None:
@@ -166,8 +170,6 @@ def protect(
         stopped, failed or set up wrongly ends the process with its exit code
         (:func:`recovery.errors.exit_code_of`), with one line in the log and no traceback.
     """
-    from recovery.job import ProtectedJob
-
     if _session is None:
         raise RuntimeError(
             "call p2p_state.init_process_group() before p2p_state.protect() (it replaces "
@@ -205,8 +207,6 @@ class _EntryPoint:
 
 def _exit_if_ending(exc: Exception) -> None:
     """End the process with ``exc``'s exit code if it is one of the job's endings."""
-    from recovery.errors import ConfigurationError, RecoveryFailed, exit_code_of
-
     code = exit_code_of(exc)
     if code is None:
         return  # the user's own error: it stands, traceback and all
@@ -239,23 +239,11 @@ def restoring() -> bool:
     Non-persistent buffers are not part of the state: a factory that skips initialisation must
     still compute them.
     """
-    from recovery.warmup import restoring as _restoring
-
     return _restoring()
 
 
 def config_from_env() -> RecoveryConfig:
     """The :class:`recovery.config.RecoveryConfig` p2p-run's flags describe (defaults otherwise)."""
-    from launcher.protocol import (
-        ENV_CHECKPOINT_DIR,
-        ENV_CHECKPOINT_EVERY,
-        ENV_REPLICAS,
-        ENV_RESUME,
-    )
-    from p2p_state.config import ReplicationConfig
-    from recovery.checkpoint import CheckpointConfig
-    from recovery.config import RecoveryConfig
-
     env = os.environ
     checkpoint = None
     if env.get(ENV_CHECKPOINT_DIR):
