@@ -32,11 +32,10 @@ exceptions of :mod:`recovery.errors`, which the entry point turns into exit code
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -255,11 +254,11 @@ class ProtectedJob:
         target = self._copies.agreed_generation(previous)
         if target == STOP_SIGNAL:
             assert self.state is not None
-            stopped = stop_without_coordinator(
-                self._session, self.config, self.state, step, self._extras(), self._copies
+            self._end(
+                stop_without_coordinator(
+                    self._session, self.config, self.state, step, self._extras(), self._copies
+                )
             )
-            self._shutdown()
-            raise stopped
         if target is not None:
             self._switch(step)
 
@@ -340,8 +339,7 @@ class ProtectedJob:
             self._shutdown()
             raise RecoveryFailed(str(e)) from cause
         except CoordinatorsLost as e:
-            self._shutdown()
-            raise self._no_stop_checkpoint(e, short(cause)) from None
+            self._end(self._no_stop_checkpoint(e, short(cause)))
         except JobEnded:
             self._shutdown()
             raise
@@ -352,8 +350,7 @@ class ProtectedJob:
         try:
             info = self._session.next_generation(self.config.fault_wait_s, after=self.generation)
         except CoordinatorsLost as e:
-            self._shutdown()
-            raise self._no_stop_checkpoint(e, "a resize was pending") from None
+            self._end(self._no_stop_checkpoint(e, "a resize was pending"))
         rec = RecoveryRecord(info.generation, "resize", started_t=t0)
         self._copies.stop_for_resize()
         try:
@@ -388,32 +385,27 @@ class ProtectedJob:
             census = self._rebuild.census()
         source = self._rebuild.source(census, info.world_size)
         with self._hooks.phase(rec, phases.BUILD):
-            had_model = self.model is not None
+            replacing = self.model is not None
             self.model = self.optimizer = self.scheduler = self.state = None
-            if had_model and self._session.device_type == "cuda":
-                # An FSDP2 model and its optimizer sit in reference cycles (modules, hooks,
-                # states): until a collection their GPU memory stays allocated under the new
-                # generation's. One full collection, about 0.1 s, against an out-of-memory.
-                gc.collect()
-            state = self._take(self._rebuild.build(source))
+            state = self._take(self._rebuild.build(source, replacing=replacing))
         restored = self._rebuild.restore(source, census, state, info, rec)
         step, extras = restored.step, restored.extras
         with self._hooks.phase(rec, phases.DATA):
             self._apply_extras(extras)
         if info.directive == "checkpoint":
-            stopped = stop_with_checkpoint(
-                self._session,
-                self.config,
-                state,
-                step,
-                self._extras(),
-                group=self._copies.checkpoint_group(),
-                source=restored.peers,
-                stores=self._copies.stores.all,
-                reason=info.reason,
+            self._end(
+                stop_with_checkpoint(
+                    self._session,
+                    self.config,
+                    state,
+                    step,
+                    self._extras(),
+                    group=self._copies.checkpoint_group(),
+                    source=restored.peers,
+                    stores=self._copies.stores.all,
+                    reason=info.reason,
+                )
             )
-            self._shutdown()
-            raise stopped
         with self._hooks.phase(rec, phases.REPLICATE):
             self._copies.start(state, step, extras, recovering=True)
             self.step_done = step
@@ -429,11 +421,15 @@ class ProtectedJob:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _end_misconfigured(self, error: ConfigurationError) -> None:
+    def _end_misconfigured(self, error: ConfigurationError) -> NoReturn:
         """A user mistake: one line from p2p-run (the coordinator ends the job with it)."""
         self._session.report_failure(str(error), fatal=True)
+        self._end(error)
+
+    def _end(self, ending: Exception) -> NoReturn:
+        """Shut down, then raise ``ending`` (without the chain that led here)."""
         self._shutdown()
-        raise error
+        raise ending from None
 
     def _shutdown(self) -> None:
         self._copies.shutdown()
