@@ -152,15 +152,7 @@ def check_fits(
     host_free = available_bytes(MemoryKind.HOST, device)
     budget, step_peak = None, 0
     if device.type == "cuda":
-        free = available_bytes(MemoryKind.GPU, device)
-        stats = torch.cuda.memory_stats(device)
-        budget, step_peak = gpu_budget(
-            free,
-            reserved=stats.get("reserved_bytes.all.current", 0),
-            allocated=stats.get("allocated_bytes.all.current", 0),
-            peak=stats.get("allocated_bytes.all.peak", 0),
-            declared_peak=step_peak_bytes,
-        )
+        budget, step_peak = _gpu_budget_now(device, step_peak_bytes)
     for kind, nbytes in needed.items():
         refusal = memory_verdict(
             what,
@@ -175,6 +167,18 @@ def check_fits(
             raise InsufficientMemoryError(refusal)
 
 
+def _gpu_budget_now(device: torch.device, step_peak_bytes: int) -> tuple[int, int]:
+    """:func:`gpu_budget` from the allocator's figures now (one query, no synchronisation)."""
+    stats = torch.cuda.memory_stats(device)
+    return gpu_budget(
+        available_bytes(MemoryKind.GPU, device),
+        reserved=stats.get("reserved_bytes.all.current", 0),
+        allocated=stats.get("allocated_bytes.all.current", 0),
+        peak=stats.get("allocated_bytes.all.peak", 0),
+        declared_peak=step_peak_bytes,
+    )
+
+
 def recheck_after_step(
     held: int, device: torch.device, max_fraction: float, what: str, step_peak_bytes: int = 0
 ) -> str | None:
@@ -184,15 +188,7 @@ def recheck_after_step(
     ``held`` bytes of snapshots and replicas are allocated already (so they count as part of
     the budget they were checked against). One query of the allocator, no synchronisation.
     """
-    free = available_bytes(MemoryKind.GPU, device)
-    stats = torch.cuda.memory_stats(device)
-    budget, step_peak = gpu_budget(
-        free,
-        reserved=stats.get("reserved_bytes.all.current", 0),
-        allocated=stats.get("allocated_bytes.all.current", 0),
-        peak=stats.get("allocated_bytes.all.peak", 0),
-        declared_peak=step_peak_bytes,
-    )
+    budget, step_peak = _gpu_budget_now(device, step_peak_bytes)
     return memory_verdict(
         what,
         held,

@@ -196,22 +196,7 @@ def test_no_spare_stops_with_a_checkpoint_that_a_resumed_job_continues_bitwise(
     ckpt = stopped.job.run_dir / "checkpoints"
     assert complete_steps(str(ckpt)) == [written]
 
-    resumed = run(
-        tmp_path / "resumed",
-        data_cache,
-        spares=(0, 0),
-        # The checkpoint is vouched for by the secret of the job that wrote it.
-        launcher_args=(
-            "--checkpoint-dir",
-            str(ckpt),
-            "--resume",
-            "--secret-file",
-            str(stopped.job.run_dir / "secret"),
-        ),
-    )
-    assert_bitwise(resumed, reference)
-    for result in resumed.results.values():
-        assert min(map(int, result["steps"])) == written + 1
+    _resumes_bitwise(tmp_path, data_cache, ckpt, stopped, reference, after=written)
     assert NUM_STEPS == 8
 
 
@@ -260,21 +245,7 @@ def test_losing_every_coordinator_stops_at_an_agreed_step_with_a_checkpoint_resu
         assert f"stopped at step {step} with a checkpoint in {ckpt}" in printed[0]
         assert f"--checkpoint-dir {ckpt} --resume" in printed[0]
 
-    resumed = run(
-        tmp_path / "resumed",
-        data_cache,
-        spares=(0, 0),
-        launcher_args=(
-            "--checkpoint-dir",
-            str(ckpt),
-            "--resume",
-            "--secret-file",
-            str(stopped.job.run_dir / "secret"),
-        ),
-    )
-    assert_bitwise(resumed, reference)
-    for result in resumed.results.values():
-        assert min(map(int, result["steps"])) == step + 1
+    _resumes_bitwise(tmp_path, data_cache, ckpt, stopped, reference, after=step)
 
 
 def test_losing_every_coordinator_and_a_rank_names_the_last_complete_checkpoint(
@@ -310,3 +281,23 @@ def test_losing_every_coordinator_and_a_rank_names_the_last_complete_checkpoint(
         last = int(printed[0].split("the last complete checkpoint is step ")[1].split()[0])
         assert last in complete_steps(str(ckpt)) and last >= 1
         assert f"--checkpoint-dir {ckpt} --resume" in printed[0]
+
+
+def _resumes_bitwise(tmp_path, data_cache, ckpt, stopped, reference, *, after: int) -> None:
+    """A job resumed from the stop checkpoint in ``ckpt`` (vouched for by the secret of the
+    job that wrote it) trains from step ``after + 1`` and ends bitwise equal to ``reference``."""
+    resumed = run(
+        tmp_path / "resumed",
+        data_cache,
+        spares=(0, 0),
+        launcher_args=(
+            "--checkpoint-dir",
+            str(ckpt),
+            "--resume",
+            "--secret-file",
+            str(stopped.job.run_dir / "secret"),
+        ),
+    )
+    assert_bitwise(resumed, reference)
+    for result in resumed.results.values():
+        assert min(map(int, result["steps"])) == after + 1

@@ -15,6 +15,7 @@ from launcher import protocol
 from launcher.admission import Quota
 from launcher.coordinator import Coordinator, CoordinatorConfig
 from launcher.membership import MembershipConfig
+from tests.security.conftest import dealer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 AGENT_HELLO = {"role": "agent", "node": 1, "pid": 5, "world_size": 2}
@@ -35,20 +36,8 @@ def _coordinator(tmp_path, **config) -> Coordinator:
     )
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _dealer(ctx, routing: bytes, port: int) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, routing)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RECONNECT_IVL, 50)
-    s.connect(f"tcp://127.0.0.1:{port}")
-    return s
+    return dealer(ctx, routing, port, RECONNECT_IVL=50)
 
 
 def _joins(sock: zmq.Socket, codec: protocol.Codec, body: dict, timeout_s: float = 30.0) -> bool:

@@ -18,6 +18,7 @@ from launcher import protocol
 from launcher.client import ClientConfig, ControlClient
 from launcher.coordinator import Coordinator, CoordinatorConfig
 from launcher.membership import MembershipConfig
+from tests.security.conftest import dealer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -44,21 +45,6 @@ def coordinator(tmp_path, secret_file):
     c.close()
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def _dealer(ctx, identity: bytes, port: int) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, identity)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://127.0.0.1:{port}")
-    return s
-
-
 def _hello(
     ctx, port: int, run: bytes, identity: str = "agent/1"
 ) -> tuple[zmq.Socket, protocol.Codec]:
@@ -66,7 +52,7 @@ def _hello(
     it is tested in test_sessions.py, with the coordinator serving in a thread)."""
     codec = protocol.Codec(SECRET, "p2p-job", identity)
     codec.run = run
-    s = _dealer(ctx, identity.encode(), port)
+    s = dealer(ctx, identity.encode(), port)
     s.send_multipart(
         codec.encode(protocol.HELLO, {"role": "agent", "node": 1, "pid": 5, "world_size": 2})
     )
@@ -85,7 +71,7 @@ def _welcomed(sock: zmq.Socket, codec: protocol.Codec, timeout_s: float = 10.0) 
 
 
 def test_an_oversized_frame_is_refused_before_it_is_buffered(coordinator, ctx):
-    big = _dealer(ctx, b"rank/0", coordinator.port)
+    big = dealer(ctx, b"rank/0", coordinator.port)
     big.send_multipart([b"", b"x" * (8 * protocol.MAX_FRAME_BYTES)])
     coordinator.serve(stop_after_s=0.5)
     # libzmq closed the connection at the frame header: the coordinator never received it.
@@ -122,7 +108,7 @@ def test_half_sent_frames_and_raw_garbage_do_not_wedge_the_coordinator(coordinat
 
 
 def test_a_squatted_identity_never_locks_out_the_real_peer(coordinator, ctx):
-    squatter = _dealer(ctx, b"agent/1", coordinator.port)
+    squatter = dealer(ctx, b"agent/1", coordinator.port)
     squatter.send_multipart([b"no", b"secret"])
     coordinator.serve(stop_after_s=0.5)
     assert coordinator.dropped == 1, "the squatter's connection holds agent/1"
@@ -133,7 +119,7 @@ def test_a_squatted_identity_never_locks_out_the_real_peer(coordinator, ctx):
 
 
 def test_a_flood_of_garbage_sockets_leaves_real_peers_served(coordinator, ctx):
-    flood = [_dealer(ctx, f"rank/{i}".encode(), coordinator.port) for i in range(100)]
+    flood = [dealer(ctx, f"rank/{i}".encode(), coordinator.port) for i in range(100)]
     for s in flood:
         for _ in range(20):
             s.send_multipart([os.urandom(32), os.urandom(64)], zmq.NOBLOCK)

@@ -36,13 +36,6 @@ def client(server):
     c.close()
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def _raw(ctx, port: int) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

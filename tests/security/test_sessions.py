@@ -16,6 +16,7 @@ from launcher.coordinator import Coordinator, CoordinatorConfig
 from launcher.events import read_events
 from launcher.membership import MembershipConfig
 from launcher.secret import OPERATOR_KEY_FILE
+from tests.security.conftest import dealer
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 OPERATOR_KEY = b"fedcba9876543210fedcba9876543210"
@@ -54,21 +55,6 @@ def served(tmp_path):
     thread.join(timeout=10)
     assert not thread.is_alive(), "the coordinator stops when told"
     c.close()
-
-
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def _dealer(ctx, routing: str, port: int) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, routing.encode())
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://127.0.0.1:{port}")
-    return s
 
 
 def _until(sock: zmq.Socket, codec: protocol.Codec, type_: str, timeout_s: float = 20.0):
@@ -147,7 +133,7 @@ def test_a_previous_runs_hello_and_scale_are_refused_in_a_run_reusing_the_secret
 
 def test_a_process_learns_the_run_from_the_challenge_and_joins(served, ctx):
     agent = protocol.Codec(SECRET, "p2p-job", "agent/1")
-    sock = _dealer(ctx, protocol.routing_id("agent/1"), served.port)
+    sock = dealer(ctx, protocol.routing_id("agent/1"), served.port)
     sock.send_multipart(agent.encode(protocol.HELLO, AGENT_HELLO))  # no run nonce yet
     _until(sock, agent, protocol.WELCOME)
     assert agent.run == served.codec.run
@@ -160,17 +146,17 @@ def test_a_process_learns_the_run_from_the_challenge_and_joins(served, ctx):
 def test_replies_go_only_to_the_connection_that_said_hello(served, ctx):
     # A squatter connects first under the predictable name, then under the same name again
     # (it reconnects), replaying what it captured of the real agent.
-    squatter = _dealer(ctx, "agent/1", served.port)
+    squatter = dealer(ctx, "agent/1", served.port)
     squatter.send_multipart([b"squat", b"x"])
     agent = protocol.Codec(SECRET, "p2p-job", "agent/1")
-    real = _dealer(ctx, protocol.routing_id("agent/1"), served.port)
+    real = dealer(ctx, protocol.routing_id("agent/1"), served.port)
     real.send_multipart(agent.encode(protocol.HELLO, AGENT_HELLO))
     _until(real, agent, protocol.WELCOME)
     captured = [agent.encode(protocol.HELLO, AGENT_HELLO), agent.encode(protocol.HEARTBEAT)]
     for frames in captured:
         real.send_multipart(frames)
     squatter.close()
-    squatter = _dealer(ctx, "agent/1", served.port)
+    squatter = dealer(ctx, "agent/1", served.port)
     for frames in captured:
         squatter.send_multipart(frames)  # replays: their sequence numbers were seen
     # The coordinator beats every agent every 0.2 s: the real one hears them, the squatter
@@ -183,13 +169,13 @@ def test_replies_go_only_to_the_connection_that_said_hello(served, ctx):
 
 def test_a_signed_message_on_a_connection_that_said_no_hello_is_challenged(served, ctx):
     agent = protocol.Codec(SECRET, "p2p-job", "agent/1")
-    first = _dealer(ctx, protocol.routing_id("agent/1"), served.port)
+    first = dealer(ctx, protocol.routing_id("agent/1"), served.port)
     first.send_multipart(agent.encode(protocol.HELLO, AGENT_HELLO))
     _until(first, agent, protocol.WELCOME)
     dropped = served.dropped
     # The same process's next message, on another connection (say, a new routing id after a
     # restart of its socket): it does not count there until a hello binds that connection.
-    other = _dealer(ctx, protocol.routing_id("agent/1"), served.port)
+    other = dealer(ctx, protocol.routing_id("agent/1"), served.port)
     other.send_multipart(agent.encode(protocol.EXITED, {"identity": "agent/1", "code": 0}))
     reader = protocol.Codec(SECRET, "p2p-job", "reader")
     deadline = time.monotonic() + 20
