@@ -19,8 +19,13 @@ import hmac
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from launcher.protocol import ENV_SECRET_FILE
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem  # untyped: the name documents what is passed
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ def job_secret() -> bytes | None:
     return protocol.read_secret(path) if path else None
 
 
-def _entries(fs, directory: str) -> dict[str, dict[str, int | str]]:
+def _entries(fs: AbstractFileSystem, directory: str) -> dict[str, dict[str, int | str]]:
     out: dict[str, dict[str, int | str]] = {}
     for path in sorted(fs.find(directory)):
         name = path[len(directory.rstrip("/")) + 1 :]
@@ -58,12 +63,12 @@ def _entries(fs, directory: str) -> dict[str, dict[str, int | str]]:
     return out
 
 
-def _tag(secret: bytes, files: dict) -> str:
+def _tag(secret: bytes, files: Mapping[str, object]) -> str:
     body = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(secret, _DOMAIN + body, hashlib.sha256).hexdigest()
 
 
-def sign(fs, directory: str, secret: bytes) -> None:
+def sign(fs: AbstractFileSystem, directory: str, secret: bytes) -> None:
     """Write ``manifest.json`` for the complete checkpoint in ``directory`` (one rank calls it)."""
     files = _entries(fs, directory)
     doc = {"version": 1, "files": files, "hmac_sha256": _tag(secret, files)}
@@ -71,7 +76,7 @@ def sign(fs, directory: str, secret: bytes) -> None:
         f.write(json.dumps(doc, sort_keys=True))
 
 
-def verify(fs, directory: str, secret: bytes) -> None:
+def verify(fs: AbstractFileSystem, directory: str, secret: bytes) -> None:
     """Check ``directory`` against its signed manifest before anything in it is deserialised.
 
     Raises:
@@ -109,7 +114,7 @@ def verify(fs, directory: str, secret: bytes) -> None:
             )
 
 
-def sign_if_secret(fs, directory: str) -> None:
+def sign_if_secret(fs: AbstractFileSystem, directory: str) -> None:
     """:func:`sign` with the job's secret, when the job has one."""
     secret = job_secret()
     if secret is not None:
@@ -119,7 +124,7 @@ def sign_if_secret(fs, directory: str) -> None:
 _vouched: set[str] = set()
 
 
-def verify_if_secret(fs, directory: str, cached: bool = False) -> None:
+def verify_if_secret(fs: AbstractFileSystem, directory: str, cached: bool = False) -> None:
     """:func:`verify` with the job's secret; without one, note once that nothing is checked.
 
     Args:
@@ -141,7 +146,9 @@ def verify_if_secret(fs, directory: str, cached: bool = False) -> None:
         )
 
 
-def latest_vouched(steps: list[int], locate) -> int:
+def latest_vouched(
+    steps: list[int], locate: Callable[[int], tuple[AbstractFileSystem, str]]
+) -> int:
     """The newest of ``steps`` (ascending) whose checkpoint passes :func:`verify_if_secret`.
 
     Args:
