@@ -17,15 +17,16 @@ import torch.distributed as dist
 
 from p2p_state.state import TrainingState
 
-Build = Callable[[], tuple]
-"""The job's factory: ``(model, optimizer)`` or ``(model, optimizer, scheduler)``."""
+Build = Callable[[], tuple[Any, ...]]
+"""The job's factory: ``(model, optimizer)`` or ``(model, optimizer, scheduler)`` (checked when
+it returns, so the items are not typed here)."""
 WarmupStep = Callable[[torch.nn.Module, torch.optim.Optimizer], None]
 """One training step on made-up data, run on the model a warm-up built."""
 
 
 def capture_rng() -> dict[str, Any]:
     out = {"torch": torch.get_rng_state(), "random": random.getstate(), "np": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = torch.cuda.get_rng_state()
     return out
 
@@ -76,7 +77,7 @@ def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float
     """
     t0 = time.perf_counter()
     rng = capture_rng()
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
         _build_and_restore(build, step)
     finally:
