@@ -17,10 +17,14 @@ the log.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from cupy import RawKernel  # untyped, and optional at run time
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +70,11 @@ extern "C" __global__ void xxh64_blocks(const ulonglong4* data, u64* out, long l
 }
 """
 
-_kernel = None
+_kernel: RawKernel | None = None
 _told_no_cupy = False
 
 
-def _cupy_kernel():
+def _cupy_kernel() -> RawKernel | None:
     """The compiled kernel, or ``None`` (said once) where cupy is missing."""
     global _kernel, _told_no_cupy
     if _kernel is None:
@@ -90,7 +94,7 @@ def _cupy_kernel():
 
 def _block_digests_host(data: np.ndarray) -> np.ndarray:
     """XXH64 of each block of host bytes ``data`` (the last one may be partial)."""
-    view = memoryview(data)
+    view = data.data  # the array's own memoryview
     return np.fromiter(
         (
             xxhash.xxh64_intdigest(view[i : i + BLOCK_BYTES])
@@ -166,7 +170,7 @@ def _block_digests_gpu(full: torch.Tensor) -> torch.Tensor:
 def combine(digests: np.ndarray, nbytes: int) -> int:
     """The checksum of ``nbytes`` bytes whose blocks have the XXH64 ``digests`` (in order)."""
     words = np.ascontiguousarray(digests, dtype="<u8")
-    return xxhash.xxh64_intdigest(memoryview(words).cast("B"), seed=nbytes & _MASK64)
+    return xxhash.xxh64_intdigest(words.data.cast("B"), seed=nbytes & _MASK64)
 
 
 class Checksum:
