@@ -131,7 +131,7 @@ class StateLayout:
 
     def to_bytes(self) -> bytes:
         """A canonical msgpack encoding (what the hashes are computed over)."""
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             [
                 LAYOUT_FORMAT_VERSION,
                 [
@@ -144,6 +144,7 @@ class StateLayout:
             ],
             use_bin_type=True,
         )
+        return packed
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StateLayout:
@@ -163,10 +164,10 @@ class StateLayout:
         except (ValueError, TypeError, msgpack.UnpackException) as e:
             raise ValueError(f"malformed state layout: {e}") from e
         layout = cls(entries, blob_offset, blob_capacity, total)
-        for e in entries:
-            dtype_from_name(e.dtype)
-            if e.offset % ALIGN_BYTES or e.end > blob_offset:
-                raise ValueError(f"malformed state layout: entry {e.name} at {e.offset}")
+        for entry in entries:
+            dtype_from_name(entry.dtype)
+            if entry.offset % ALIGN_BYTES or entry.end > blob_offset:
+                raise ValueError(f"malformed state layout: entry {entry.name} at {entry.offset}")
         return layout
 
     @property
