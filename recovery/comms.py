@@ -42,10 +42,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +155,8 @@ class Comms:
 
     spec: CommsSpec
     default: dist.ProcessGroup | None = None
-    store: dist.Store | None = None
-    base_store: dist.Store | None = None
+    store: Store | None = None
+    base_store: Store | None = None
     """The connection ``store`` prefixes (closed by :meth:`abort` and :meth:`destroy`)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     """Further groups of this generation by name (:meth:`group`)."""
@@ -337,6 +340,8 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
         Interrupted: the comms were aborted during creation.
         RuntimeError: a group could not be formed within ``spec.timeout_s``.
     """
+    from torch.distributed.distributed_c10d import PrefixStore
+
     comms = Comms(spec)
     register(comms)
     join = timedelta(seconds=spec.join_timeout_s)
@@ -344,9 +349,9 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     try:
         base = comms._track(lambda: _connect_store(spec, join))
         comms.base_store = base
-        comms.store = dist.PrefixStore(spec.store_prefix, base)
+        store = comms.store = PrefixStore(spec.store_prefix, base)
         comms.default = comms._track(
-            lambda: _init_default(comms.store, spec.backend, spec.rank, spec.world_size, join)
+            lambda: _init_default(store, spec.backend, spec.rank, spec.world_size, join)
         )
         comms.default.set_timeout(timedelta(seconds=spec.timeout_s))
     except Exception as e:
@@ -367,16 +372,18 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     return comms
 
 
-def _connect_store(spec: CommsSpec, timeout: timedelta) -> dist.Store:
+def _connect_store(spec: CommsSpec, timeout: timedelta) -> Store:
     if not spec.store_secret:
-        return dist.TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=timeout)
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            spec.store_host, spec.store_port, is_master=False, timeout=timeout
+        )
     from launcher.store_client import SignedStore
 
     return SignedStore(spec.store_host, spec.store_port, spec.store_secret, spec.job_id, timeout)
 
 
 def _init_default(
-    store: dist.Store, backend: str, rank: int, world_size: int, timeout: timedelta
+    store: Store, backend: str, rank: int, world_size: int, timeout: timedelta
 ) -> dist.ProcessGroup:
     if dist.is_initialized():
         dist.destroy_process_group()  # also restarts the group-name counter
@@ -396,7 +403,9 @@ def _init_default(
         device_id=_eager_device(backend),
     )
     _forget_stale_shardings(world_size, rank)
-    return dist.group.WORLD
+    world = dist.group.WORLD
+    assert world is not None  # set by init_process_group
+    return world
 
 
 def _eager_device(backend: str) -> torch.device | None:
@@ -429,7 +438,7 @@ def _forget_stale_shardings(world_size: int, rank: int) -> None:
         from torch.distributed.tensor import _redistribute
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-        _clear_sharding_prop_cache()
+        _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
         _redistribute.clear_redistribute_planner_cache()
         _redistribute._gen_transform_infos.cache_clear()
         _cached_places.clear()
