@@ -256,6 +256,7 @@ class Session:
             if kind == "generation":
                 return self._generations[self._latest_urgent].arrived_t
             if kind == "notice":
+                assert self._notice is not None  # what makes the kind "notice"
                 return float(self._notice["arrived_t"])
             return None
 
@@ -331,6 +332,7 @@ class Session:
             self.comms.abort()
             self.comms.destroy()
             self.comms = None
+        assert self.client is not None, "a standalone session has no generations to join"
         host, port = self.client.store_address(self.timeout_s)
         spec = CommsSpec(
             generation=info.generation,
