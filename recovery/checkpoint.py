@@ -22,11 +22,12 @@ import logging
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader as dcp_loader
+from torch.distributed.checkpoint import state_dict_saver as dcp_saver
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -35,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from p2p_state.state import TrainingState
 from recovery import manifest
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem  # untyped: the name documents what is returned
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.timeout_s must be > 0, got {self.timeout_s}")
 
 
-def _fs(root: str):
+def _fs(root: str) -> tuple[AbstractFileSystem, str]:
     import fsspec  # an install requirement of torch's DCP fsspec support; local paths too
 
     fs, path = fsspec.core.url_to_fs(root)
@@ -114,7 +118,7 @@ class ColdCheckpointer:
         self.state = state
         self.group = group if group is not None else dist.new_group(backend="gloo")
         self._rank = dist.get_rank(self.group)
-        self._pending: Future | None = None
+        self._pending: Future[int] | None = None
         self._pending_step = -1
 
     def _path(self, step: int) -> str:
@@ -199,13 +203,15 @@ class ColdCheckpointer:
         self.wait()
         sd = self._state_dict(step, extras, rank_states, world_size)
         if self.config.async_save and not blocking:
-            result = dcp.async_save(sd, checkpoint_id=self._path(step), process_group=self.group)
-            self._pending = self._signed_when_written(
-                getattr(result, "upload_completion", result), step
+            result = dcp_saver.async_save(
+                sd, checkpoint_id=self._path(step), process_group=self.group
             )
+            # An AsyncSaveResponse's upload future, or the future itself where torch returns one.
+            written = cast("Future[object]", getattr(result, "upload_completion", result))
+            self._pending = self._signed_when_written(written, step)
             self._pending_step = step
         else:
-            dcp.save(sd, checkpoint_id=self._path(step), process_group=self.group)
+            dcp_saver.save(sd, checkpoint_id=self._path(step), process_group=self.group)
             self._sign(step)
         logger.info("checkpoint of step %d %s", step, "started" if self._pending else "written")
 
@@ -228,16 +234,16 @@ class ColdCheckpointer:
             fs, path = _fs(self._path(step))
             manifest.sign_if_secret(fs, path)
 
-    def _signed_when_written(self, written: Future, step: int) -> Future:
+    def _signed_when_written(self, written: Future[object], step: int) -> Future[int]:
         """A future that completes once ``written`` has and its checkpoint is signed.
 
         The signature is written by the save's own completion, not by whoever waits for it: a
         save that completes after the training thread abandoned it (a fault came first) is a
         good checkpoint, and an unsigned one would be refused as the cold fallback.
         """
-        signed: Future = Future()
+        signed: Future[int] = Future()
 
-        def sign_then_complete(done: Future) -> None:
+        def sign_then_complete(done: Future[object]) -> None:
             try:
                 done.result()
                 self._sign(step)
@@ -249,7 +255,7 @@ class ColdCheckpointer:
         written.add_done_callback(sign_then_complete)
         return signed
 
-    def abandon(self) -> Future | None:
+    def abandon(self) -> Future[int] | None:
         """Stop waiting for a save in progress (after a fault: its group is being torn down).
 
         A save cut short never counts: DCP writes its metadata file last. One that still
@@ -295,14 +301,14 @@ class ColdCheckpointer:
         path = self._path(step)
         manifest.verify_if_secret(*_fs(path), cached=True)  # before DCP unpickles .metadata
         meta = {"meta/world_size": torch.zeros(1, dtype=torch.int64)}
-        dcp.load(meta, checkpoint_id=path, process_group=self.group)
+        dcp_loader.load(meta, checkpoint_id=path, process_group=self.group)
         saved_world = int(meta["meta/world_size"].item())
         rank = dist.get_rank(self.group)
         sd = self._state_dict(rank_states={})
         source_rank = rank % saved_world
         sd[f"rank_state/{source_rank}"] = torch.zeros(_SMALL_STATE_BYTES, dtype=torch.uint8)
         sd.pop("meta/world_size")
-        dcp.load(sd, checkpoint_id=path, process_group=self.group)
+        dcp_loader.load(sd, checkpoint_id=path, process_group=self.group)
         set_state_dict(
             self.state.model,
             [self.state.optimizer] if self.state.optimizer is not None else [],
