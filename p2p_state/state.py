@@ -14,7 +14,7 @@ import inspect
 import logging
 import random
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -139,7 +139,7 @@ def _allocate_from_stand_ins(optimizer: torch.optim.Optimizer) -> bool:
     except (TypeError, ValueError):
         return False
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())
-    recipes: dict[tuple, dict[str, Any]] = {}
+    recipes: dict[tuple[int, torch.dtype, torch.device, int], dict[str, Any]] = {}
     plan: list[tuple[torch.Tensor, dict[str, Any]]] = []
     for group in optimizer.param_groups:
         settings = {
@@ -190,7 +190,9 @@ _LIKE_PARAM = object()
 _STAND_IN_SIZES = (2, 3, 5, 7, 11, 13)
 
 
-def _stand_in_state(cls: type, settings: dict[str, Any], like: torch.Tensor) -> dict | None:
+def _stand_in_state(
+    cls: type, settings: dict[str, Any], like: torch.Tensor
+) -> dict[str, Any] | None:
     """{state key: _LIKE_PARAM or the scalar value} after one step on a stand-in of ``like``."""
     if like.dim() > len(_STAND_IN_SIZES):
         return None
@@ -250,9 +252,10 @@ class TrainingState:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         fresh = optimizer is not None and not optimizer.state
         if fresh:
+            assert optimizer is not None  # fresh implies it
             # The layout needs the shapes of the lazily-built optimizer state; build it with a
             # dry run, then drop it so training starts exactly as it would without the engine.
             ensure_optimizer_state(optimizer)
@@ -260,10 +263,11 @@ class TrainingState:
             self.layout = StateLayout.build(self._specs(), blob_capacity)
         finally:
             if fresh and not keep_optimizer_state:
+                assert optimizer is not None  # fresh implies it
                 optimizer.state.clear()
         self._num_tensor_entries = sum(not e.name.startswith("rng/") for e in self.layout.entries)
         # id(buffer) -> (weak reference to that buffer, its views); see views().
-        self._views: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}
+        self._views: dict[int, tuple[weakref.ref[torch.Tensor], list[torch.Tensor]]] = {}
 
     # -- which tensors -------------------------------------------------------------------------
 
@@ -296,7 +300,7 @@ class TrainingState:
             out.append(("rng/cuda", torch.cuda.get_rng_state()))
         return out
 
-    def _specs(self):
+    def _specs(self) -> Iterator[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int]]:
         for name, t in self._named_live():
             global_shape, dim0 = _shard_geometry(t)
             local = _local(t)
@@ -392,7 +396,8 @@ class TrainingState:
     # -- the non-tensor state ------------------------------------------------------------------
 
     def _blob(self, step: int, extras: Mapping[str, Any]) -> bytes:
-        np_state = np.random.get_state()
+        np_state = np.random.get_state(legacy=True)  # the default, named for the typed overload
+        assert isinstance(np_state, tuple)  # MT19937's: indexed below
         py_state = random.getstate()
         state = {
             "step": int(step),
@@ -409,7 +414,7 @@ class TrainingState:
             "optimizer_fresh": self.optimizer_fresh,
             "np_random": [np_state[0], np_state[1].tobytes(), *np_state[2:]],
         }
-        data = msgpack.packb(state, use_bin_type=True, default=_encode_default)
+        data: bytes = msgpack.packb(state, use_bin_type=True, default=_encode_default)
         if len(data) + _BLOB_LEN_BYTES > self.layout.blob_capacity:
             raise ValueError(
                 f"the non-tensor state needs {len(data) + _BLOB_LEN_BYTES} bytes but "
@@ -522,7 +527,10 @@ class TrainingState:
         if not 0 < n <= self.layout.blob_capacity - _BLOB_LEN_BYTES:
             raise ValueError(f"corrupt snapshot: blob length {n}")
         raw = region[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + n].numpy().tobytes()
-        return msgpack.unpackb(raw, raw=False, ext_hook=_decode_ext, strict_map_key=False)
+        blob: dict[str, Any] = msgpack.unpackb(
+            raw, raw=False, ext_hook=_decode_ext, strict_map_key=False
+        )
+        return blob
 
     def restore(self, buffer: torch.Tensor) -> tuple[int, dict[str, Any]]:
         """Put the state stored in ``buffer`` back into the live objects, in place.
@@ -554,7 +562,8 @@ class TrainingState:
         content as a snapshot's RNG entries and blob region.
         """
         rng = {name: t.cpu().numpy().tobytes() for name, t in self._rng_entries()}
-        return msgpack.packb({"rng": rng, "blob": self._blob(step, extras or {})})
+        packed: bytes = msgpack.packb({"rng": rng, "blob": self._blob(step, extras or {})})
+        return packed
 
     @staticmethod
     def small_state_of(layout: StateLayout, buffer: torch.Tensor) -> bytes:
@@ -572,7 +581,8 @@ class TrainingState:
         if not 0 < n <= layout.blob_capacity - _BLOB_LEN_BYTES:
             raise ValueError(f"corrupt snapshot: blob length {n}")
         blob = region[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + n].numpy().tobytes()
-        return msgpack.packb({"rng": rng, "blob": blob})
+        packed: bytes = msgpack.packb({"rng": rng, "blob": blob})
+        return packed
 
     def load_small_state(self, data: bytes) -> tuple[int, dict[str, Any]]:
         """Apply :meth:`small_state`; returns ``(step, extras)``."""
