@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from p2p_state.checksum import Checksum
 from p2p_state.config import ReplicationConfig
 from p2p_state.layout import LayoutMismatchError, StateLayout, check_same_structure
 from p2p_state.memory import (
     BufferPool,
-    Checksum,
     MemoryKind,
     check_fits,
     pinned_footprint,
@@ -136,25 +136,31 @@ class CudaStreams:
 
     def new_stream(self) -> Any:
         """A side stream for snapshot copies."""
-        return torch.cuda.Stream(self.device)
+        return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
     def current(self) -> Any:
         """The calling thread's current stream (the training stream)."""
         return torch.cuda.current_stream(self.device)
 
-    def use(self, stream: Any) -> contextlib.AbstractContextManager:
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[object]:
         """Make ``stream`` current inside the ``with``."""
         return torch.cuda.stream(stream)
 
     def new_event(self) -> Any:
         """An event to record after a copy."""
-        return torch.cuda.Event()
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
 def state_device(state: TrainingState) -> torch.device:
     """The device the training state lives on (of its first parameter; CPU if it has none)."""
     first = next(iter(state.model.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
+
+
+def _buffer_of(slot: Slot) -> torch.Tensor:
+    """The buffer of a slot :meth:`DoubleBuffer.writable` handed out (it allocates one)."""
+    assert slot.buffer is not None
+    return slot.buffer
 
 
 def _resolve_backend(config: ReplicationConfig, kind: MemoryKind) -> str:
@@ -236,9 +242,9 @@ class Replicator:
         for warning in self.placement.warnings():
             logger.warning("replica placement: %s", warning)
 
-        warning = serialized_launch_warning(self.backend, os.environ)
-        if warning is not None:
-            logger.warning("rank %d: %s", dist.get_rank(), warning)
+        launch_warning = serialized_launch_warning(self.backend, os.environ)
+        if launch_warning is not None:
+            logger.warning("rank %d: %s", dist.get_rank(), launch_warning)
         self._owns_group = group is None
         self.group = group or dist.new_group(
             backend=self.backend, timeout=timedelta(seconds=self.config.timeout_s)
@@ -372,14 +378,15 @@ class Replicator:
         if self._cuda is not None:
             # Enqueued only: the side stream starts once the optimizer step is done, and no
             # copy here waits for it (the host-resident pieces go through the pinned staging).
+            assert self._stream is not None  # made with self._cuda
             self._stream.wait_stream(self._cuda.current())
             with self._cuda.use(self._stream):
-                self.state.capture(slot.buffer, step, extras, self._staging)
+                self.state.capture(_buffer_of(slot), step, extras, self._staging)
                 copied = self._cuda.new_event()
                 copied.record(self._stream)
             self._last_copy = copied
         else:
-            self.state.capture(slot.buffer, step, extras)
+            self.state.capture(_buffer_of(slot), step, extras)
             copied = None
         with self._lock:
             self._in_flight += 1
@@ -440,6 +447,7 @@ class Replicator:
 
     def _fence(self, *_: Any) -> None:
         if self._last_copy is not None:
+            assert self._cuda is not None  # copies are recorded on its streams only
             self._cuda.current().wait_event(self._last_copy)
 
     # -- worker thread -------------------------------------------------------------------------
@@ -469,7 +477,7 @@ class Replicator:
             if job.copied is not None:
                 job.copied.synchronize()
             layout = self.layout
-            own = job.slot.buffer[: layout.total_bytes]
+            own = _buffer_of(job.slot)[: layout.total_bytes]
             chunk = self.config.chunk_bytes
             with self._lock:
                 slots = {o: self.replicas[o].writable() for o in self.owners}
@@ -485,7 +493,7 @@ class Replicator:
             exchange(
                 [SendBuffer(h, own) for h in self.holders],
                 [
-                    RecvBuffer(o, slots[o].buffer[: self.layouts[o].total_bytes])
+                    RecvBuffer(o, _buffer_of(slots[o])[: self.layouts[o].total_bytes])
                     for o in self.owners
                 ],
                 self.group,
@@ -582,7 +590,9 @@ class Replicator:
             for owner, buf in self.replicas.items():
                 infos = []
                 for step in buf.complete_steps():
-                    h = buf.find(step).header
+                    slot = buf.find(step)
+                    assert slot is not None and slot.header is not None  # a complete step's
+                    h = slot.header
                     infos.append(
                         ReplicaInfo(
                             owner, h.step, h.generation, h.layout_hash, h.nbytes, h.checksum
@@ -620,6 +630,7 @@ class Replicator:
         ``owner`` may be this rank (its own snapshot) or any rank whose replica it holds.
         """
         slot = self.slot(owner, step)
+        assert slot.header is not None and slot.buffer is not None  # verified: written
         assert 0 <= start <= end <= slot.header.nbytes
         return slot.buffer[start:end]
 
@@ -710,7 +721,8 @@ class Replicator:
             self._worker.join(timeout=timeout_s)
             if self._worker.is_alive():
                 self._left_behind = True
-                frame = sys._current_frames().get(self._worker.ident)
+                ident = self._worker.ident  # set: the worker was started
+                frame = sys._current_frames().get(ident) if ident is not None else None
                 where = "".join(traceback.format_stack(frame, limit=4)) if frame else "?\n"
                 logger.error(
                     "rank %d: replication worker still busy after %.0f ms; leaving it (daemon). "
