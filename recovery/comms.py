@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from recovery.sockets import shutdown_socket, tcp_sockets
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -63,53 +63,6 @@ _CREATE_LOCK = threading.Lock()
 
 class Interrupted(RuntimeError):
     """The generation these communicators belong to has ended; its work must be abandoned."""
-
-
-def _tcp_sockets() -> dict[int, tuple[Any, ...]]:
-    """Connected TCP sockets of this process: fd -> (inode, peer address)."""
-    out: dict[int, tuple[Any, ...]] = {}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            st = os.stat(fd)
-        except OSError:
-            continue
-        if not stat.S_ISSOCK(st.st_mode):
-            continue
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            if sock.type != socket.SOCK_STREAM:
-                continue
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            out[fd] = (st.st_ino, sock.getpeername())
-        except OSError:
-            continue  # not connected (yet)
-        finally:
-            sock.detach()
-    return out
-
-
-def _shutdown(fd: int, inode: int) -> bool:
-    """Shut down socket ``fd`` if it is still the socket it was (same inode)."""
-    try:
-        if os.stat(fd).st_ino != inode:
-            return False  # the descriptor was closed and reused: not ours any more
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return False
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.detach()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,11 +135,11 @@ class Comms:
         ignore = set(self.spec.ignore_peers)
         with _CREATE_LOCK:
             _set_nccl_environment()
-            before = _tcp_sockets()
+            before = tcp_sockets()
             try:
                 return create()
             finally:
-                after = _tcp_sockets()
+                after = tcp_sockets()
                 new = {
                     fd: ino
                     for fd, (ino, peer) in after.items()
@@ -249,7 +202,7 @@ class Comms:
     def _shutdown_all(self) -> int:
         with self._lock:
             sockets = dict(self._sockets) if not self._destroyed else {}
-        return sum(_shutdown(fd, ino) for fd, ino in sockets.items())
+        return sum(shutdown_socket(fd, ino) for fd, ino in sockets.items())
 
     def destroy(self) -> None:
         """Destroy every group of this generation (the default group last)."""

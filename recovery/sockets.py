@@ -1,0 +1,60 @@
+"""This process's connected TCP sockets, read from ``/proc/self/fd``, and shutting one down.
+
+What :class:`recovery.comms.Comms` records as a generation's sockets while its groups are
+created, and shuts down (``shutdown(2)``, not ``close``: the descriptors stay their owner's) to
+break the generation's operations in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from typing import Any
+
+
+def tcp_sockets() -> dict[int, tuple[Any, ...]]:
+    """Connected TCP sockets of this process: fd -> (inode, peer address)."""
+    out: dict[int, tuple[Any, ...]] = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.stat(fd)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode):
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if sock.type != socket.SOCK_STREAM:
+                continue
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            out[fd] = (st.st_ino, sock.getpeername())
+        except OSError:
+            continue  # not connected (yet)
+        finally:
+            sock.detach()
+    return out
+
+
+def shutdown_socket(fd: int, inode: int) -> bool:
+    """Shut down socket ``fd`` if it is still the socket it was (same inode)."""
+    try:
+        if os.stat(fd).st_ino != inode:
+            return False  # the descriptor was closed and reused: not ours any more
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
