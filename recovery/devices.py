@@ -11,7 +11,7 @@ from p2p_state.placement import Placement
 from p2p_state.replicator import Replicator, state_device
 from p2p_state.state import TrainingState
 from recovery.errors import ConfigurationError
-from recovery.session import GenerationInfo
+from recovery.generation import GenerationInfo
 
 
 def training_device(device_type: str) -> torch.device:

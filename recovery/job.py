@@ -48,11 +48,12 @@ from recovery.comms import Interrupted
 from recovery.config import RecoveryConfig
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed
 from recovery.faults import Action, decide, short, without_frames
+from recovery.generation import GenerationInfo
 from recovery.hooks import Hook, JobHooks, hooks_from_env
 from recovery.rebuild import Built, Rebuilder
 from recovery.records import CAUSE_JOINED, RecoveryLog, RecoveryRecord
 from recovery.replication import JobReplication
-from recovery.session import STOP_SIGNAL, CoordinatorsLost, GenerationInfo, JobEnded, Session
+from recovery.session import STOP_SIGNAL, CoordinatorsLost, JobEnded, Session
 from recovery.stop import no_stop_checkpoint, stop_with_checkpoint, stop_without_coordinator
 from recovery.warmup import Build
 

@@ -28,12 +28,13 @@ from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_ste
 from recovery.config import RecoveryConfig
 from recovery.devices import snapshot_device, training_device, wire_device
 from recovery.errors import ConfigurationError, RecoveryFailed
+from recovery.generation import GenerationInfo
 from recovery.hooks import JobHooks
 from recovery.planner import Source
 from recovery.records import RecoveryRecord
 from recovery.replication import JobReplication
 from recovery.restore import describe_census, gather_copies, restore_from_peers
-from recovery.session import GenerationInfo, Session
+from recovery.session import Session
 from recovery.source import RestoreSource, choose_restore_source
 from recovery.warmup import Build, building_for_restore, capture_rng, restore_rng
 

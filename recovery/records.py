@@ -16,7 +16,8 @@ from recovery import phases
 from recovery.source import RestoreSource
 
 if TYPE_CHECKING:
-    from recovery.session import GenerationInfo, Session
+    from recovery.generation import GenerationInfo
+    from recovery.session import Session
 
 logger = logging.getLogger(__name__)
 

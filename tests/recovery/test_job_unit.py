@@ -20,12 +20,12 @@ from recovery import api
 from recovery.comms import Comms
 from recovery.config import RecoveryConfig
 from recovery.errors import ConfigurationError, GivenBack, RecoveryFailed, exit_code_of
+from recovery.generation import GenerationInfo
 from recovery.job import ProtectedJob
 from recovery.restore import NoSurvivingCopy
 from recovery.session import (
     STOP_SIGNAL,
     CoordinatorsLost,
-    GenerationInfo,
     JobEnded,
     NotAMember,
     Session,
