@@ -28,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -94,7 +95,7 @@ class _Child:
     role: str
     rank: int | None
     local_rank: int | None
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     pidfd: int
     channel: socket.socket
     """The agent's end of the child's local channel (``P2P_AGENT_FD``)."""
@@ -126,10 +127,10 @@ class Agent:
         """The coordinator's reason when it ended the job."""
         self.links: CoordinatorLinks | None = None
         self._voted_for: tuple[int, str] | None = None
-        self._exits: list[tuple[float, dict]] = []
+        self._exits: list[tuple[float, dict[str, Any]]] = []
         """Exits reported lately: sent again to a coordinator that takes over (the one they
         went to may have died before acting on them)."""
-        self._stopped: dict[str, dict] = {}
+        self._stopped: dict[str, dict[str, Any]] = {}
         """What each child said on its channel about the checkpoint of a stopping job."""
 
     # -- children ------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class Agent:
         rank: int | None,
         local_rank: int | None,
         channel: int,
-    ) -> dict:
+    ) -> dict[str, str]:
         cfg = self.config
         env = dict(os.environ)
         env.update(cfg.extra_env)
@@ -262,7 +263,7 @@ class Agent:
                     self._stopped[child.identity] = body
                     self.events.write("child_stopped", identity=child.identity, **body)
 
-    def _tell(self, child: _Child, type_: str, body: dict) -> None:
+    def _tell(self, child: _Child, type_: str, body: dict[str, Any]) -> None:
         try:
             child.channel.sendall(protocol.encode_local(type_, body))
         except OSError as e:  # it is exiting: its exit is reaped as usual
@@ -295,7 +296,7 @@ class Agent:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _send(self, type_: str, body: dict) -> None:
+    def _send(self, type_: str, body: dict[str, Any]) -> None:
         assert self.links is not None
         self.links.send(type_, body)
 
@@ -350,7 +351,7 @@ class Agent:
             ctx.term()
             self.events.close()
 
-    def _await_welcome(self, links: CoordinatorLinks, hello: dict) -> protocol.Message:
+    def _await_welcome(self, links: CoordinatorLinks, hello: dict[str, Any]) -> protocol.Message:
         """Say hello until the coordinator's first answer (welcome or shutdown) comes; anything
         else is dropped. An unanswered hello goes again every ``_HELLO_RETRY_S`` on a fresh
         connection (a coordinator over its connection cap refused the last one)."""
@@ -371,7 +372,7 @@ class Agent:
                     f"no answer from the coordinator at {cfg.coordinator} within "
                     f"{cfg.welcome_timeout_s:.0f}s; check --coordinator and that node 0 runs"
                 )
-            if not sock.poll(min(left_s, next_hello - now) * 1000):
+            if not sock.poll(int(min(left_s, next_hello - now) * 1000)):
                 continue
             for msg in self.codec.drain(sock):
                 if msg.type in (protocol.WELCOME, protocol.SHUTDOWN):
@@ -391,7 +392,7 @@ class Agent:
             for pidfd in self.children:
                 poller.register(pidfd, zmq.POLLIN)
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
-            for item, _ in poller.poll(timeout_ms):
+            for item, _ in poller.poll(int(timeout_ms)):
                 if item == wake_r:
                     os.read(wake_r, 4096)
                 elif item in self.children:
@@ -437,7 +438,7 @@ class Agent:
             poller.register(wake_r, zmq.POLLIN)
             for pidfd in self.children:
                 poller.register(pidfd, zmq.POLLIN)
-            for item, _ in poller.poll(left_s * 1000):
+            for item, _ in poller.poll(int(left_s * 1000)):
                 if item == wake_r:
                     os.read(wake_r, 4096)
                 else:
@@ -449,7 +450,7 @@ class Agent:
         self.events.write("stopped_without_coordinator", reason=line)
         return AgentError(line)
 
-    def _receive(self, links: CoordinatorLinks, sock: zmq.Socket) -> int | None:
+    def _receive(self, links: CoordinatorLinks, sock: zmq.Socket[bytes]) -> int | None:
         received = links.receive(sock)
         if received.takeover:
             self._heard = time.monotonic()
@@ -482,7 +483,9 @@ class Agent:
                 return int(msg.body.get("code", 0))
         return None
 
-    def _vote(self, links: CoordinatorLinks, sock: zmq.Socket, msg: protocol.Message) -> None:
+    def _vote(
+        self, links: CoordinatorLinks, sock: zmq.Socket[bytes], msg: protocol.Message
+    ) -> None:
         """A standby asks to take over in a newer term: yes only if this node lost the active
         coordinator too; once granted, no message of an older term counts here again."""
         address = links.address_of(sock)
@@ -497,7 +500,7 @@ class Agent:
                 "voted", coordinator=msg.sender, term=msg.term, silent_s=round(silent, 3)
             )
         if address is not None:
-            body: dict = {"granted": granted}
+            body: dict[str, Any] = {"granted": granted}
             if not granted:
                 body["active"] = links.active  # a standby left behind follows this one
             links.send_to(address, protocol.VOTED, body)
@@ -506,7 +509,7 @@ class Agent:
 def stop_line(
     addresses: list[str],
     silent_s: float,
-    stopped: dict[str, dict],
+    stopped: dict[str, dict[str, Any]],
     late: list[str],
     config: AgentConfig,
 ) -> str:

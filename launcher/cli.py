@@ -33,10 +33,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from launcher import protocol, slurm
 from launcher import secret as secret_file
@@ -79,7 +80,7 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + error
+    def error(self, message: str) -> NoReturn:  # one line, not usage + error
         raise UsageError(message)
 
 
@@ -176,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve(args: argparse.Namespace, environ) -> slurm.Resolved:
+def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> slurm.Resolved:
     """Fill the job's shape from the flags, then ``SLURM_*``, then the defaults."""
     flags = from_args(slurm.Flags, args, max_ranks=args.max_ranks, spares=args.spares or 0)
     lookup = slurm.node_address if slurm.SLURM_JOB_ID in environ else (lambda name: name)
@@ -361,7 +362,7 @@ def coordinator_config(
 
 def _start_coordinator(
     args: argparse.Namespace, run_dir: Path, secret: str, standby_of: str | None = None
-) -> tuple:
+) -> tuple[subprocess.Popen[bytes], str]:
     host, port = "127.0.0.1", 0
     if args.coordinator:
         host, _, p = args.coordinator.rpartition(":")
@@ -430,7 +431,7 @@ def _report_end(code: int, reason: str) -> None:
         print(f"p2p-run: the job failed: {reason}", file=sys.stderr)
 
 
-def dropped_from_job(events: list[dict], node_rank: int) -> str | None:
+def dropped_from_job(events: list[dict[str, Any]], node_rank: int) -> str | None:
     """Why the coordinator declared this node lost, if it did (the job then went on without it).
 
     Args:

@@ -166,13 +166,13 @@ class ControlClient:
         self.secret = protocol.read_secret(config.secret_file)
         """The job's secret: it also signs this process's requests to the rendezvous store."""
         self._codec = protocol.Codec(self.secret, config.job_id, config.identity)
-        self._outbox: queue.Queue[tuple[str, dict, int]] = queue.Queue()
+        self._outbox: queue.Queue[tuple[str, dict[str, Any], int]] = queue.Queue()
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._welcome = threading.Event()
         self.store_port = 0
         self.store_host = config.coordinators[0].rsplit(":", 1)[0]
-        self._last_ack: tuple[dict, int] | None = None
-        self._last_replicated: dict | None = None
+        self._last_ack: tuple[dict[str, Any], int] | None = None
+        self._last_replicated: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="p2p-control-client", daemon=True)
@@ -313,12 +313,14 @@ class ControlClient:
     # -- background thread ---------------------------------------------------------------------
 
     @staticmethod
-    def _connect_standbys(links: CoordinatorLinks, poller: zmq.Poller, addresses: list) -> None:
+    def _connect_standbys(
+        links: CoordinatorLinks, poller: zmq.Poller, addresses: list[object]
+    ) -> None:
         for address in addresses[:8]:
             if isinstance(address, str) and (sock := links.add(address)) is not None:
                 poller.register(sock, zmq.POLLIN)
 
-    def _post(self, type_: str, body: dict, generation: int = 0) -> None:
+    def _post(self, type_: str, body: dict[str, Any], generation: int = 0) -> None:
         self._outbox.put((type_, body, generation))
         os.write(self._wake_w, b"x")
 
@@ -354,7 +356,7 @@ class ControlClient:
                     next_hello = time.monotonic() + _HELLO_RETRY_S
                 wait_s = next_beat if self._welcome.is_set() else min(next_beat, next_hello)
                 timeout_ms = max(0.0, wait_s - time.monotonic()) * 1000
-                for item, _ in poller.poll(timeout_ms):
+                for item, _ in poller.poll(int(timeout_ms)):
                     if item == self._wake_r:
                         os.read(self._wake_r, 4096)
                     elif item == self._agent_fd:
@@ -371,6 +373,8 @@ class ControlClient:
             ctx.term()
 
     def _from_agent(self, poller: zmq.Poller) -> None:
+        # Only called for the agent channel's fd, which the poller holds only when there is one.
+        assert self._agent_fd is not None
         try:
             data = os.read(self._agent_fd, 65536)
         except OSError as e:
@@ -403,7 +407,9 @@ class ControlClient:
                 self._last_replicated = body
             links.send(type_, body, gen)
 
-    def _receive(self, links: CoordinatorLinks, sock: zmq.Socket, poller: zmq.Poller) -> None:
+    def _receive(
+        self, links: CoordinatorLinks, sock: zmq.Socket[bytes], poller: zmq.Poller
+    ) -> None:
         received = links.receive(sock)
         if received.takeover:
             # A standby took over: it knows this process from the state it mirrored (or, if

@@ -57,6 +57,11 @@ from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
 from launcher.store import StoreServer
 
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # a dependency of torch
+    from typing_extensions import assert_never
+
 logger = logging.getLogger(__name__)
 
 COORDINATOR_FILE = "coordinator.json"
@@ -196,7 +201,8 @@ class Coordinator:
 
             # torch's own store, for scripts that call dist.init_process_group() themselves:
             # unauthenticated and listening on every interface (docs/security.md).
-            self.env_store = dist.TCPStore(
+            # torch re-exports TCPStore from its C module without marking it public.
+            self.env_store = dist.TCPStore(  # type: ignore[attr-defined]
                 config.host,
                 0,
                 is_master=True,
@@ -215,7 +221,7 @@ class Coordinator:
         self.clock_offset = 0.0
         """Added to ``time.monotonic()``: a standby keeps the active coordinator's clock, so
         the deadlines in the state it mirrored go on where they were."""
-        self._upstream: zmq.Socket | None = None
+        self._upstream: zmq.Socket[bytes] | None = None
         self._heard_active = time.monotonic()
         self._has_state = False
         self._mirrored_term = 0
@@ -297,7 +303,7 @@ class Coordinator:
         while self.exit_code is None:
             if deadline is not None and time.monotonic() > deadline:
                 break
-            ready = dict(poller.poll(self.config.tick_s * 1000))
+            ready = dict(poller.poll(int(self.config.tick_s * 1000)))
             if self._upstream is not None and self._upstream in ready:
                 self._receive_upstream()
             if self.sock in ready:
@@ -357,7 +363,7 @@ class Coordinator:
 
     # -- takeover ------------------------------------------------------------------------------
 
-    def _standby_hello(self) -> dict:
+    def _standby_hello(self) -> dict[str, Any]:
         return {
             "role": "standby",
             "node": int(self.config.node) if self.config.node.isdigit() else -1,
@@ -365,7 +371,7 @@ class Coordinator:
             "address": self.address,
         }
 
-    def _send_upstream(self, type_: str, body: dict) -> None:
+    def _send_upstream(self, type_: str, body: dict[str, Any]) -> None:
         assert self._upstream is not None
         try:
             self._upstream.send_multipart(self.codec.encode(type_, body), zmq.NOBLOCK)
@@ -670,7 +676,7 @@ class Coordinator:
             self.events.write("scale_request", sender=msg.sender, size=size)
             self._apply(self.membership.request_size(size, now))
         elif msg.type == protocol.ERROR:
-            proc = self.membership.procs.get(msg.sender)
+            failed = self.membership.procs.get(msg.sender)
             reason = str(body.get("reason"))
             self.events.write(
                 "rank_error", identity=msg.sender, reason=reason, fatal=bool(body.get("fatal"))
@@ -680,8 +686,8 @@ class Coordinator:
                 # survives and there is no checkpoint): end the job with its reason.
                 self._apply(self.membership.end(1, f"{msg.sender}: {reason}"))
                 return
-            if proc is not None:
-                self._apply([Kill(proc.node, msg.sender, proc.pid, "reported an error")])
+            if failed is not None:
+                self._apply([Kill(failed.node, msg.sender, failed.pid, "reported an error")])
             self._apply(self.membership.fault(msg.sender, f"reported: {body.get('reason')}", now))
         elif msg.type == protocol.ACK:
             self._apply(self.membership.ack(msg.sender, int(body["generation"]), now))
@@ -700,7 +706,7 @@ class Coordinator:
         else:
             raise ValueError(f"{msg.type} is not a message the coordinator accepts")
 
-    def _welcome_body(self) -> dict:
+    def _welcome_body(self) -> dict[str, Any]:
         return {
             "store_port": self.store_port,
             "env_store_port": self.env_store_port,
@@ -736,7 +742,7 @@ class Coordinator:
             self._send(other, protocol.STANDBYS, {"addresses": addresses})
         self._mirror(force=True)
 
-    def _children_after_takeover(self, sender: str, identities: list) -> None:
+    def _children_after_takeover(self, sender: str, identities: list[object]) -> None:
         """An agent names its processes (their routing ids) after a takeover: those this
         coordinator does not know (they said hello after the last mirror) are told of it too,
         and say hello again."""
@@ -803,6 +809,8 @@ class Coordinator:
                         identity, protocol.SHUTDOWN, {"code": action.code, "reason": action.reason}
                     )
                 self.exit_code = action.code
+            else:
+                assert_never(action)
 
     def _broadcast(self, gen: Generation, to: tuple[str, ...]) -> None:
         """One generation to all its members, each payload encoded and signed once.
@@ -831,7 +839,7 @@ class Coordinator:
                     "could not send generation %d to %s: %s", gen.generation, identity, e
                 )
 
-    def _send(self, identity: str, type_: str, body: dict, generation: int = 0) -> None:
+    def _send(self, identity: str, type_: str, body: dict[str, Any], generation: int = 0) -> None:
         """Send to ``identity`` on the connection its accepted hello came on (none: dropped)."""
         routing = self.routes.get(identity)
         if routing is None:

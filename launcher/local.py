@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -100,7 +100,8 @@ def _worker_entry(
     # alone would come too late for its thread pool.
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if cfg.backend != "none":
-        store = dist.TCPStore(
+        # torch re-exports TCPStore from its C module without marking it public.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1",
             store_port,
             cfg.world_size,
@@ -154,7 +155,8 @@ def run_local(
     store = None
     if cfg.backend != "none":
         # The parent owns the store, so its port is bound before any rank starts.
-        store = dist.TCPStore(
+        # torch re-exports TCPStore from its C module without marking it public.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1",
             0,
             cfg.world_size,
@@ -202,7 +204,8 @@ def _wait_all(procs: list[multiprocessing.process.BaseProcess], cfg: WorkerGroup
                 "(WorkerGroupConfig.timeout_s); their stacks were dumped to stderr"
             )
         for sentinel in multiprocessing.connection.wait(list(pending), timeout=remaining):
-            rank = pending.pop(sentinel)
+            # wait() hands back the sentinels it was given: the ints of ``pending``.
+            rank = pending.pop(cast(int, sentinel))
             procs[rank].join()
             code = procs[rank].exitcode
             expected = cfg.expected_exit.get(rank, 0)
@@ -216,9 +219,10 @@ def _wait_all(procs: list[multiprocessing.process.BaseProcess], cfg: WorkerGroup
 
 def _dump_and_kill(procs: list[multiprocessing.process.BaseProcess], ranks: list[int]) -> None:
     for rank in ranks:
-        if procs[rank].is_alive() and procs[rank].pid is not None:
+        pid = procs[rank].pid
+        if procs[rank].is_alive() and pid is not None:
             try:
-                os.kill(procs[rank].pid, signal.SIGUSR1)
+                os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + _STACK_DUMP_GRACE_S

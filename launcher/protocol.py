@@ -211,7 +211,14 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 _MAX_ABS_INT = 2**62
 
 
-def _check_body(type_: str, body: dict) -> None:
+def _wire_int(name: str, value: object) -> int:
+    """``value`` when it is a wire integer (not a bool, in 0..2**62), else :class:`Rejected`."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_ABS_INT:
+        raise Rejected(f"malformed {name}")
+    return value
+
+
+def _check_body(type_: str, body: dict[Any, Any]) -> None:
     for key in body:
         if not isinstance(key, str):
             raise Rejected(f"{type_} body has a non-string key")
@@ -471,7 +478,7 @@ class Codec:
         body: dict[str, Any] | None = None,
         generation: int = 0,
         key: bytes | None = None,
-    ) -> list:
+    ) -> list[bytes]:
         """The frames of a message (signed with ``key`` when given, else the secret).
 
         A ``hello`` or ``scale`` is remembered: :meth:`drain` sends it again, with the run
@@ -556,18 +563,12 @@ class Codec:
             raise Rejected("malformed body")
         if not isinstance(run, bytes) or len(run) > 2 * RUN_NONCE_BYTES:
             raise Rejected("malformed run nonce")
-        for name, value in (
-            ("generation", gen),
-            ("sequence number", seq),
-            ("epoch", epoch),
-            ("term", term),
-        ):
-            if (
-                not isinstance(value, int)
-                or isinstance(value, bool)
-                or not 0 <= value <= _MAX_ABS_INT
-            ):
-                raise Rejected(f"malformed {name}")
+        gen, seq, epoch, term = (
+            _wire_int("generation", gen),
+            _wire_int("sequence number", seq),
+            _wire_int("epoch", epoch),
+            _wire_int("term", term),
+        )
         _check_body(type_, body)
         if routing_id is not None and sender != identity_of(routing_id):
             raise Rejected(f"sender {sender!r} does not match its connection {routing_id!r}")
@@ -595,7 +596,7 @@ class Codec:
         """
         import zmq
 
-        out = []
+        out: list[Message] = []
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

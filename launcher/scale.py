@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import zmq
 
@@ -35,7 +36,7 @@ _RETRY_S = 2.0
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         print(f"p2p-run scale: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            if sock.poll(max(0.0, left_s) * 1000):
+            if sock.poll(int(max(0.0, left_s) * 1000)):
                 codec.drain(sock)
     finally:
         sock.close(linger=2000)  # delivered before we go, or given up on after 2 s

@@ -444,6 +444,7 @@ def node_address(name: str, timeout_s: float = 10.0) -> str:
     except (OSError, subprocess.TimeoutExpired):
         pass
     try:
-        return socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+        # An AF_INET socket address is (host, port): its host is a str.
+        return str(socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0])
     except OSError:
         return address

@@ -150,12 +150,12 @@ class _Data:
             return all(_key(k) in self.values for k in keys)
         if op == "compare_set":
             key, expected, desired = _key(args[0]), _value(args[1]), _value(args[2])
-            current = self.values.get(key)
+            held = self.values.get(key)
             # torch's semantics: a missing key counts as equal to an empty expected value.
-            if (current is None and expected == b"") or current == expected:
+            if (held is None and expected == b"") or held == expected:
                 self.put(key, desired)
                 return desired
-            return current if current is not None else expected
+            return held if held is not None else expected
         if op == "delete_key":
             return self.delete(_key(args[0]))
         if op == "num_keys":

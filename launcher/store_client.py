@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import torch.distributed as dist
 import zmq
+from torch.distributed.distributed_c10d import Store
 
 from launcher.store import (
     MAX_REQUEST_BYTES,
@@ -32,7 +33,7 @@ _SLICE_MS = 50
 """Longest a blocked call goes without checking whether :meth:`SignedStore.close` was called."""
 
 
-class SignedStore(dist.Store):
+class SignedStore(Store):
     """The client side: a :class:`torch.distributed.Store` for process-group constructors.
 
     Thread-safe (one request at a time). Blocking calls (``get`` of a missing key, ``wait``)
@@ -145,13 +146,15 @@ class SignedStore(dist.Store):
         self._call("set", key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
-        return self._poll_until(f"key {key!r}", lambda: self._call("get", key))
+        value: bytes = self._poll_until(f"key {key!r}", lambda: self._call("get", key))
+        return value
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", key, int(amount)))
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._call("compare_set", key, _as_bytes(expected), _as_bytes(desired))
+        value: bytes = self._call("compare_set", key, _as_bytes(expected), _as_bytes(desired))
+        return value
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._call("check", list(keys)))
