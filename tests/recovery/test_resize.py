@@ -12,7 +12,9 @@ import time
 import pytest
 
 from bench.faults import parse_fault
+from bench.resize_bench import PACE_HOOK, PACE_OFF
 from bench.runner import EXAMPLE, bitwise_differences, run_example
+from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS
 from launcher.testing import LocalJob
 from tests.recovery.conftest import JOB_DEADLINE_S
 
@@ -215,6 +217,9 @@ def test_a_node_given_back_on_request_loses_no_step(tmp_path, data_cache):
             str(run_dir / "out"),
         ],
         launcher_args=["--min-ranks", "2"],
+        # Steps are paced until the given-back processes have exited, so the job cannot end
+        # (and stop its nodes) before their exits are seen.
+        env={ENV_JOB_HOOKS: PACE_HOOK, ENV_BENCH_STEP_S: "0.5"},
         **FAST,
     )
     try:
@@ -229,6 +234,11 @@ def test_a_node_given_back_on_request_loses_no_step(tmp_path, data_cache):
             timeout=60,
         )
         assert scale.returncode == 0, scale.stderr
+        while len(job.events("process_left")) < 2:
+            assert time.monotonic() < deadline, job.output(0)[-2000:]
+            assert all(n.poll() is None for n in job.nodes), "the job ended before they left"
+            time.sleep(0.1)
+        (run_dir / PACE_OFF).touch()
         codes = job.wait(JOB_DEADLINE_S)
     finally:
         job.kill_everything()
