@@ -24,6 +24,8 @@ setup(
         "msgpack>=1.0",
         "numpy>=1.24",
         "xxhash>=3.0",
+        # the coordinator's exhaustive match over decisions (typing has it from 3.11)
+        "typing_extensions>=4.1; python_version < '3.11'",
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],
