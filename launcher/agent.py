@@ -269,6 +269,14 @@ class Agent:
         except OSError as e:  # it is exiting: its exit is reaped as usual
             logger.info("could not tell %s %s: %s", child.identity, type_, e)
 
+    def _tell_coordinators(self, links: CoordinatorLinks) -> None:
+        """Tell every child which coordinators there are and which one is active: a process
+        that was started before a standby joined, and was never welcomed by the coordinator it
+        was started with, has no other way to find the one that took over."""
+        body = {"addresses": list(links.sockets), "active": links.active, "term": links.term}
+        for child in self.children.values():
+            self._tell(child, protocol.COORDINATORS, body)
+
     def _kill(self, identity: str, pid: int, reason: str) -> None:
         for child in self.children.values():
             if child.identity == identity and child.proc.pid == pid:
@@ -460,6 +468,7 @@ class Agent:
             self._send(
                 protocol.CHILDREN, {"identities": [c.routing for c in self.children.values()]}
             )
+            self._tell_coordinators(links)
             now = time.monotonic()
             for _, body in [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S]:
                 self._send(protocol.EXITED, body)
@@ -477,6 +486,7 @@ class Agent:
                 for address in msg.body["addresses"][:8]:
                     if isinstance(address, str):
                         links.add(address)
+                self._tell_coordinators(links)
             elif msg.type == protocol.SHUTDOWN:
                 self.events.write("agent_shutdown", **msg.body)
                 self.end_reason = str(msg.body.get("reason", ""))

@@ -17,8 +17,10 @@ list only the ranks that changed; processes new to the job get the full maps.
 Rank-side events (recovery phases, steps) go to the job's event log through :meth:`event`.
 
 Under p2p-run the process also has a local channel to its node's agent (``P2P_AGENT_FD``): the
-agent says there when no coordinator is left (``coordinators_lost``, delivered like a shutdown:
-to :meth:`next_event` and a callback), and hears where the checkpoint the job stopped with is.
+agent says there which coordinators there are (``coordinators``: a process started before a
+standby joined learns of it there) and when none is left (``coordinators_lost``, delivered like
+a shutdown: to :meth:`next_event` and a callback), and hears where the checkpoint the job
+stopped with is.
 
 This module imports nothing from ``launcher`` but :mod:`launcher.protocol` and the event log.
 """
@@ -360,7 +362,7 @@ class ControlClient:
                     if item == self._wake_r:
                         os.read(self._wake_r, 4096)
                     elif item == self._agent_fd:
-                        self._from_agent(poller)
+                        self._from_agent(links, poller)
                     else:
                         self._receive(links, item, poller)
                 self._flush(links)
@@ -372,7 +374,7 @@ class ControlClient:
             links.close()
             ctx.term()
 
-    def _from_agent(self, poller: zmq.Poller) -> None:
+    def _from_agent(self, links: CoordinatorLinks, poller: zmq.Poller) -> None:
         # Only called for the agent channel's fd, which the poller holds only when there is one.
         assert self._agent_fd is not None
         try:
@@ -384,6 +386,9 @@ class ControlClient:
             poller.unregister(self._agent_fd)
             return
         for msg in self._agent_lines.feed(data):
+            if msg["type"] == protocol.COORDINATORS:
+                self._follow_agent(links, poller, msg)
+                continue
             if msg["type"] != protocol.COORDINATORS_LOST:
                 continue
             body = {k: v for k, v in msg.items() if k != "type"}
@@ -394,6 +399,22 @@ class ControlClient:
                     self._on_coordinators_lost(body)
                 except Exception:
                     logger.exception("coordinators_lost callback failed")
+
+    def _follow_agent(
+        self, links: CoordinatorLinks, poller: zmq.Poller, msg: dict[str, Any]
+    ) -> None:
+        """The node's agent says which coordinators there are and which one it obeys. Every one
+        is connected to; a process not yet welcomed says hello to the agent's active one at
+        once (the coordinator it was started with may have died before it answered). A welcomed
+        process hears of a takeover from the new coordinator itself."""
+        addresses = msg.get("addresses")
+        self._connect_standbys(links, poller, addresses if isinstance(addresses, list) else [])
+        active, term = msg.get("active"), msg.get("term")
+        if self._welcome.is_set() or active not in links.sockets or not isinstance(term, int):
+            return
+        if active != links.active or term > links.term:
+            links.adopt(term, active)
+            links.send(protocol.HELLO, self._hello)
 
     def _flush(self, links: CoordinatorLinks) -> None:
         while True:

@@ -130,6 +130,9 @@ CHALLENGE = "challenge"  # coordinator -> a process whose hello/scale carried an
 
 # The local channel between a node's agent and each process it starts (a Unix socket pair the
 # agent creates per child, never a network socket): JSON lines ``{"type", **body}``.
+COORDINATORS = "coordinators"  # agent -> child: {"addresses", "active", "term"}: every
+# coordinator the node knows now, and the one it obeys (after a standby joined or took over); a
+# process the old coordinator never welcomed learns there where to say hello
 COORDINATORS_LOST = "coordinators_lost"  # agent -> child: {"addresses", "silent_s"}: no
 # coordinator is left; the ranks stop at a step they agree on, with a checkpoint
 STOPPED = "stopped"  # child -> agent: {"step", "root"}: it wrote its part of the checkpoint of

@@ -310,3 +310,45 @@ def test_the_local_channel_splits_lines_and_drops_what_is_malformed():
     ]
     assert lines.feed(b"x" * (protocol.MAX_LOCAL_LINE_BYTES + 1)) == []  # dropped, not kept
     assert lines.feed(msg) == [{"step": 7, "root": "/c", "type": protocol.STOPPED}]
+
+
+def test_a_process_never_welcomed_says_hello_where_its_agent_says_the_active_one_is(
+    coordinator, tmp_path
+):
+    """A spare started before the standby joined knows only the coordinator it was started
+    with; if that one dies before answering, the node's agent is how it finds the new one."""
+    import socket
+
+    from launcher.client import ClientConfig, ControlClient
+
+    with socket.socket() as s:  # a port nobody listens on: the coordinator that died
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    agent_end, child_end = socket.socketpair()
+    config = ClientConfig(
+        coordinator=dead,
+        job_id=coordinator.config.job_id,
+        secret_file=coordinator.config.secret_file,
+        identity="spare/1/2",
+        role="spare",
+        node=1,
+        heartbeat_interval_s=0.2,
+        agent_fd=child_end.fileno(),
+    )
+    client = ControlClient(config)
+    try:
+        live = f"127.0.0.1:{coordinator.port}"
+        agent_end.sendall(
+            protocol.encode_local(
+                protocol.COORDINATORS, {"addresses": [dead, live], "active": live, "term": 0}
+            )
+        )
+        deadline = time.monotonic() + 30
+        while not client._welcome.is_set() and time.monotonic() < deadline:
+            coordinator.serve(stop_after_s=0.2)
+        assert client._welcome.is_set(), "the live coordinator never welcomed the spare"
+        assert "spare/1/2" in coordinator.membership.procs
+    finally:
+        client.close()
+        agent_end.close()
+        child_end.close()
