@@ -136,13 +136,18 @@ def injected_faults(events: Sequence[Event]) -> list[tuple[str, float]]:
 
 
 def coordinator_fault(
-    events: Sequence[Event], spec: str, t_fault: float
+    events: Sequence[Event],
+    spec: str,
+    t_fault: float,
+    recoveries: Sequence[tuple[float, float]] = (),
 ) -> CoordinatorFault | UnmeasuredFault:
     """A fault of the active coordinator: how long until a standby took over, and how the
     training went meanwhile (it never waits for the control plane, so no recovery runs).
 
     ``slowest_step_ratio``: over every rank, its slowest step overlapping the window from the
-    fault to the takeover, over the median of its own steps before the fault.
+    fault to the takeover, over the median of its own steps before the fault. Steps that
+    overlap ``recoveries`` (``(start, end)`` of other faults' recoveries: a rank killed during
+    the takeover) are left out: their time is those faults' downtime, reported in their rows.
     """
     took = next(
         (e["t"] for e in events if e["event"] == "takeover" and e["t"] >= t_fault and "term" in e),
@@ -156,12 +161,43 @@ def coordinator_fault(
         ends = sorted(e["t"] for e in events if e["event"] == "step_done" and e["source"] == source)
         durations = [(a, b - a) for a, b in itertools.pairwise(ends)]
         before = sorted(d for a, d in durations if a + d < t_fault)
-        window = [d for a, d in durations if a + d >= t_fault and a <= took]
+        window = [
+            d
+            for a, d in durations
+            if a + d >= t_fault
+            and a <= took
+            and not any(a < end and a + d > start for start, end in recoveries)
+        ]
         if before and window:
             in_window = max(in_window, len(window))
             worst = max(window) / before[len(before) // 2]
             ratio = worst if ratio is None else max(ratio, worst)
     return CoordinatorFault(spec, t_fault, took - t_fault, in_window, ratio)
+
+
+def _without_recovery(spec: str) -> bool:
+    """A fault the ranks do not recover from: the coordinator's, or a silent one."""
+    return spec.startswith(("kill-coordinator", "hang-coordinator", "bitflip"))
+
+
+def _recoveries(events: Sequence[Event], faults: Sequence[float]) -> list[tuple[float, float]]:
+    """``(fault, training back)`` for the faults at times ``faults``: until the first step of
+    the first generation recovered after each (its last ``recovery_done`` if no step
+    followed)."""
+    out = []
+    for t_fault in faults:
+        done = [e for e in events if e["event"] == "recovery_done" and e["t"] >= t_fault]
+        if not done:
+            continue
+        generation = min(e["generation"] for e in done)
+        ends = [
+            e["t"]
+            for e in events
+            if e["event"] in ("first_step_done", "recovery_done")
+            and e.get("generation") == generation
+        ]
+        out.append((t_fault, max(ends)))
+    return out
 
 
 def not_fired(scheduled: Sequence[str], events: Sequence[Event]) -> list[str]:
@@ -206,7 +242,8 @@ def checkpointless_faults(events: Sequence[Event]) -> list[FaultRow]:
             out.append(SilentFault(spec, t_fault))
             continue
         if spec.startswith(("kill-coordinator", "hang-coordinator")):
-            out.append(coordinator_fault(events, spec, t_fault))
+            others = [t for s, t in injected_faults(events) if not _without_recovery(s)]
+            out.append(coordinator_fault(events, spec, t_fault, _recoveries(events, others)))
             continue
         seen = _first(events, "fault", t_fault)
         done = [e for e in events if e["event"] == "recovery_done" and e["t"] >= t_fault]

@@ -198,3 +198,27 @@ def test_a_phase_a_rank_reports_beyond_the_known_ones_is_not_counted_as_interrup
     assert list(f.phases)[-1] == "checkpoint" and "checkpoint" not in g.phases
     assert f.phases["interrupt"] == pytest.approx(g.phases["interrupt"] - 0.1)
     assert sum(f.phases.values()) == pytest.approx(f.downtime_s)
+
+
+def test_a_coordinator_fault_leaves_out_the_steps_of_another_faults_recovery():
+    # Two ranks stepping every 0.1 s; the coordinator dies at 10.05 and its standby takes
+    # over at 11.0; rank 1 is killed at 10.42 and the job is back at 10.9 (one 0.5 s step).
+    steps = []
+    for source in ("rank/0/1", "rank/1/1"):
+        ends = [9.0 + 0.1 * i for i in range(15)] + [10.9 + 0.1 * i for i in range(5)]
+        steps += [_ev(t, "step_done", step=i, source=source) for i, t in enumerate(ends)]
+    log = [
+        *steps,
+        _ev(10.05, "fault_injected", fault="kill-coordinator@step=11"),
+        _ev(10.42, "fault_injected", fault="kill:rank=1@step=15:phase=forward"),
+        _ev(10.45, "fault"),
+        _ev(10.8, "recovery_done", generation=2, rank=0, step=14, phases={}),
+        _ev(10.8, "recovery_done", generation=2, rank=1, step=14, phases={}),
+        _ev(10.9, "first_step_done", generation=2),
+        _ev(11.0, "takeover", term=1),
+    ]
+    coordinator, rank = checkpointless_faults(log)
+    assert coordinator.takeover_s == pytest.approx(0.95)
+    # Without the rank's recovery, the slowest step is the ordinary 0.1 s one.
+    assert coordinator.slowest_step_ratio == pytest.approx(1.0)
+    assert rank.restored_from is None and rank.steps_lost == 0
