@@ -443,6 +443,9 @@ class ControlClient:
                 links.send(protocol.REPLICATED, self._last_replicated)
         for msg in received.messages:
             if msg.type == protocol.WELCOME:
+                # The store is the welcoming coordinator's: not the first one's where that one
+                # died before it answered and a standby that took over welcomed this process.
+                self.store_host = links.active.rsplit(":", 1)[0]
                 self.store_port = int(msg.body.get("store_port", 0))
                 self._connect_standbys(links, poller, msg.body.get("standbys", []))
                 self._welcome.set()

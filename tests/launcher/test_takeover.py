@@ -323,7 +323,7 @@ def test_a_process_never_welcomed_says_hello_where_its_agent_says_the_active_one
 
     with socket.socket() as s:  # a port nobody listens on: the coordinator that died
         s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+        dead = f"localhost:{s.getsockname()[1]}"  # another name: the host of another node
     agent_end, child_end = socket.socketpair()
     config = ClientConfig(
         coordinator=dead,
@@ -348,6 +348,8 @@ def test_a_process_never_welcomed_says_hello_where_its_agent_says_the_active_one
             coordinator.serve(stop_after_s=0.2)
         assert client._welcome.is_set(), "the live coordinator never welcomed the spare"
         assert "spare/1/2" in coordinator.membership.procs
+        # Its generations rendezvous through the store of the coordinator that welcomed it.
+        assert client.store_address(1.0) == ("127.0.0.1", coordinator.store_port)
     finally:
         client.close()
         agent_end.close()
