@@ -68,6 +68,8 @@ COORDINATOR_FILE = "coordinator.json"
 #: How often the coordinator tells each agent (and its standbys) it is alive.
 AGENT_HEARTBEAT_S = 0.2
 _DRAIN_BATCH = 1000
+#: The least :meth:`CoordinatorConfig.connection_cap` is (larger jobs get four per rank).
+DEFAULT_CONNECTION_CAP = 4096
 COORDINATOR_IDENTITY = protocol.COORDINATOR
 #: How often a standby that lost the active coordinator asks the agents again for their vote.
 _VOTE_RETRY_S = 0.2
@@ -119,15 +121,28 @@ class CoordinatorConfig:
         "their votes to take over, seconds (default {default})",
     )
     """Silence of the active coordinator after which a standby asks for the agents' votes."""
-    max_unauthenticated_connections: int = 4096
+    max_unauthenticated_connections: int | None = None
     """New connections are refused (one rate-limited log line says so) while this many open
-    ones have said no accepted hello; processes that did are never counted."""
+    ones have said no accepted hello; processes that did are never counted. ``None``: 4,096,
+    or four per rank of the job's largest size if that is more (:meth:`connection_cap`): every
+    process of a job starting at once connects before its hello is accepted, and a refused one
+    only comes back on its next hello."""
     max_messages_per_s: float = 1000.0
     """Messages a connection may send per second (twice that at once); the rest are dropped
     before their tag is checked."""
 
+    def connection_cap(self) -> int:
+        """The cap on open connections that said no accepted hello."""
+        if self.max_unauthenticated_connections is not None:
+            return self.max_unauthenticated_connections
+        elastic = self.membership.elastic
+        largest = max(self.membership.world_size, elastic.max_ranks if elastic else 0)
+        return max(DEFAULT_CONNECTION_CAP, 4 * largest)
+
     def __post_init__(self) -> None:
-        if self.max_unauthenticated_connections < 1:
+        if self.max_unauthenticated_connections is not None and (
+            self.max_unauthenticated_connections < 1
+        ):
             raise ValueError(
                 "CoordinatorConfig.max_unauthenticated_connections "
                 f"{self.max_unauthenticated_connections}: must be at least 1"
@@ -177,9 +192,7 @@ class Coordinator:
         # refused: an unauthenticated socket that connected first as ``agent/1`` cannot keep
         # the real node 1 unserved (docs/security.md).
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.gate = ConnectionGate(
-            self.ctx, config.max_unauthenticated_connections, lambda: len(self.routes)
-        )
+        self.gate = ConnectionGate(self.ctx, config.connection_cap(), lambda: len(self.routes))
         self.gate.install(self.sock)
         logger.debug("open-file limit %d", protocol.raise_descriptor_limit())
         if config.port:

@@ -161,3 +161,25 @@ def test_the_limits_must_be_positive():
             membership=MembershipConfig(world_size=1, ranks_per_node=1),
             max_messages_per_s=0,
         )
+
+
+def test_the_connection_cap_grows_with_the_job_so_its_own_start_is_never_refused():
+    from launcher.coordinator import DEFAULT_CONNECTION_CAP, CoordinatorConfig
+    from launcher.membership import MembershipConfig
+    from launcher.policy import ElasticConfig
+
+    def cap(world: int, **kw) -> int:
+        membership = MembershipConfig(world_size=world, ranks_per_node=8, **kw)
+        config = CoordinatorConfig(secret_file="s", run_dir="r", membership=membership)
+        return config.connection_cap()
+
+    assert cap(64) == DEFAULT_CONNECTION_CAP
+    assert cap(16384) == 4 * 16384, "every rank, agent and spare of a 16k job may connect at once"
+    assert cap(1024, elastic=ElasticConfig(min_ranks=512, max_ranks=4096)) == 4 * 4096
+    explicit = CoordinatorConfig(
+        secret_file="s",
+        run_dir="r",
+        membership=MembershipConfig(world_size=16384, ranks_per_node=8),
+        max_unauthenticated_connections=10,
+    )
+    assert explicit.connection_cap() == 10
