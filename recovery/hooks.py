@@ -1,7 +1,17 @@
 """Hooks of a protected job: who is told what at which point, and hooks named in the environment.
 
-Fault injection (``p2p-bench inject``), probes and progress reporting attach here. A tool that
-runs a script it did not write names its hooks in ``P2P_JOB_HOOKS``.
+Fault injection (``p2p-bench inject``), probes and progress reporting attach here
+(:meth:`recovery.job.ProtectedJob.add_hook`). A hook is called as ``hook(point, **info)`` at:
+
+- ``built`` (``model``, ``optimizer``): the factory built them (at the start, after a recovery);
+- ``step_begin`` (``step``, ``batch``): the iterator is about to yield a step;
+- ``replication_chunk`` (``step``, ``round``, ``num_rounds``; on the replication worker thread);
+- ``recovery_phase`` (``phase``, ``generation``): a recovery phase begins;
+- ``finished`` (``step``, ``state``): the loop has ended cleanly.
+
+Tools that run a script they did not write (``p2p-bench inject --script``) attach their hooks
+through ``P2P_JOB_HOOKS``: comma-separated ``module:function`` names, each called with the job
+once it is ready to train, before its first step.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from recovery.errors import ConfigurationError
 from recovery.records import RecoveryRecord
 
 Hook = Callable[..., None]
-"""``hook(point, **info)``; the points are listed at :meth:`recovery.job.ProtectedJob.add_hook`."""
+"""``hook(point, **info)``; the points are listed in this module's docstring."""
 
 
 class JobHooks:

@@ -83,12 +83,6 @@ class ProtectedJob:
         config: RecoveryConfig | None = None,
         max_steps: int | None = None,
     ) -> None:
-        if not callable(build):
-            raise TypeError(
-                "protect() takes a factory that builds the sharded model and its optimizer "
-                "(e.g. `def build(): ...; return model, optimizer, scheduler`): after a fault "
-                "they are rebuilt on the new process groups"
-            )
         self._session = session
         self.loader = loader
         self.config = config or RecoveryConfig()
@@ -142,14 +136,8 @@ class ProtectedJob:
         return info.generation if info else 0
 
     def add_hook(self, hook: Hook) -> None:
-        """Call ``hook(point, **info)`` at: ``built`` (model, optimizer), ``step_begin`` (step),
-        ``replication_chunk`` (step, round, num_rounds; worker thread) and ``recovery_phase``
-        (phase, generation) and, when the loop has ended cleanly, ``finished`` (step, state).
-        For fault injection and progress reporting.
-
-        Tools that run a script they did not write (``p2p-bench inject --script``) attach their
-        hooks through ``P2P_JOB_HOOKS``: comma-separated ``module:function`` names, each called
-        with the job once it is ready to train, before its first step."""
+        """Call ``hook(point, **info)`` at every point of :mod:`recovery.hooks` (for fault
+        injection and progress reporting; ``P2P_JOB_HOOKS`` names hooks in the environment)."""
         self._hooks.add(hook)
 
     def __enter__(self) -> ProtectedJob:
@@ -340,7 +328,9 @@ class ProtectedJob:
             self._shutdown()
             raise RecoveryFailed(str(e)) from cause
         except CoordinatorsLost as e:
-            self._end(self._no_stop_checkpoint(e, short(cause)))
+            self._end(
+                no_stop_checkpoint(self._session, self.config, self.generation, e, short(cause))
+            )
         except JobEnded:
             self._shutdown()
             raise
@@ -351,7 +341,8 @@ class ProtectedJob:
         try:
             info = self._session.next_generation(self.config.fault_wait_s, after=self.generation)
         except CoordinatorsLost as e:
-            self._end(self._no_stop_checkpoint(e, "a resize was pending"))
+            pending = "a resize was pending"
+            self._end(no_stop_checkpoint(self._session, self.config, self.generation, e, pending))
         rec = RecoveryRecord(info.generation, "resize", started_t=t0)
         self._copies.stop_for_resize()
         try:
@@ -416,9 +407,6 @@ class ProtectedJob:
             with self._hooks.phase(rec, phases.CHECKPOINT):
                 self._copies.catch_up(step, extras)
         self._log.done(rec, info, source, step)
-
-    def _no_stop_checkpoint(self, lost: CoordinatorsLost, cause: str) -> RecoveryFailed:
-        return no_stop_checkpoint(self._session, self.config, self.generation, lost, cause)
 
     # -- plumbing ------------------------------------------------------------------------------
 

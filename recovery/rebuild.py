@@ -191,6 +191,12 @@ class Rebuilder:
         copies: JobReplication,
         hooks: JobHooks,
     ) -> None:
+        if not callable(build):
+            raise TypeError(
+                "protect() takes a factory that builds the sharded model and its optimizer "
+                "(e.g. `def build(): ...; return model, optimizer, scheduler`): after a fault "
+                "they are rebuilt on the new process groups"
+            )
         self._session = session
         self._config = config
         self._build = build
