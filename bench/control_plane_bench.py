@@ -381,7 +381,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
     from launcher import protocol
     from launcher.coordinator import CoordinatorConfig
-    from launcher.events import read_events
+    from launcher.events import EventTail
     from launcher.membership import MembershipConfig
 
     nodes = n // RANKS_PER_NODE
@@ -442,10 +442,12 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 procs.append(p)
                 conns.append(parent)
 
+            log = EventTail(tmp)
+
             def events(name: str, **match: Any) -> list[dict]:
                 return [
                     e
-                    for e in read_events(tmp)
+                    for e in log.read()
                     if e["event"] == name and all(e.get(k) == v for k, v in match.items())
                 ]
 

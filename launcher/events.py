@@ -63,3 +63,34 @@ def read_json_lines(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+class EventTail:
+    """A run's events as its log grows: each :meth:`read` parses only what was appended since
+    the last one (a watcher that polls a log of tens of thousands of lines would otherwise
+    parse all of it every time)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.events: list[dict[str, Any]] = []
+        """Every event read so far, in file order."""
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        """Read what was appended; returns :attr:`events` (a line still being written waits
+        for its end; an unparseable one is skipped)."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.events
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            try:
+                self.events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return self.events

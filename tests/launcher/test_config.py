@@ -122,3 +122,21 @@ def test_the_coordinator_refuses_a_bad_configuration_in_one_line(tmp_path):
 def test_a_setting_without_a_flag_is_not_a_flag():
     with pytest.raises(TypeError, match="not declared with setting"):
         config.add_flags(build_parser(), MembershipConfig, "stop_timeout_s")
+
+
+def test_an_event_tail_reads_only_what_was_appended_and_waits_for_a_line_to_end(tmp_path):
+    from launcher.events import EVENTS_FILE, EventLog, EventTail
+
+    tail = EventTail(tmp_path)
+    assert tail.read() == []  # no log yet
+    log = EventLog(tmp_path, "coordinator")
+    log.write("hello", identity="agent/0")
+    assert [e["event"] for e in tail.read()] == ["hello"]
+    line = b'{"t": 1.0, "event": "generation_started", "generation": 1}\n'
+    with open(tmp_path / EVENTS_FILE, "ab") as f:
+        f.write(line[:20])  # a writer in the middle of its line
+        f.flush()
+        assert [e["event"] for e in tail.read()] == ["hello"]
+        f.write(line[20:] + b"not json\n")
+    assert [e["event"] for e in tail.read()] == ["hello", "generation_started"]
+    log.close()
