@@ -72,13 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
-    from bench.fault_runs import UsageError
+    from bench.fault_runs import BenchFailed, UsageError
 
     try:
         return int(module.run(args) or 0)
     except UsageError as e:
         print(f"p2p-bench {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BenchFailed as e:
+        print(f"p2p-bench {args.command}: failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("p2p-bench: interrupted", file=sys.stderr)
         return 130

@@ -52,6 +52,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.fault_runs import BenchFailed
+
 if TYPE_CHECKING:
     from launcher.coordinator import CoordinatorConfig
 
@@ -293,7 +295,7 @@ def _takeover(
     end = time.monotonic() + 60
     while not info.exists():
         if time.monotonic() > end or standby.poll() is not None:
-            raise RuntimeError("the standby coordinator did not start")
+            raise BenchFailed("the standby coordinator did not start")
         time.sleep(0.05)
     address = json.loads(info.read_text())["address"]
     wait("standby_joined", identity="coordinator/1")
@@ -315,7 +317,7 @@ def _takeover(
         if linked == len(live) and connected >= len(live):
             break
         if time.monotonic() > end:
-            raise RuntimeError(
+            raise BenchFailed(
                 f"of {len(live)} members, {linked} learnt of the standby coordinator and "
                 f"{connected} connected to it within 60s"
             )
@@ -332,7 +334,7 @@ def _takeover(
         if not late:
             break
         if time.monotonic() > killed_at + limit:
-            raise RuntimeError(
+            raise BenchFailed(
                 f"{len(late)} of {len(ids)} members did not switch to the standby coordinator "
                 f"within {limit:.0f}s of the active one's kill (first: {', '.join(late[:3])})"
             )
@@ -344,12 +346,12 @@ def _takeover(
     # member (one that it did not would be a fault within a heartbeat timeout: counted).
     time.sleep(args.heartbeat_timeout)  # the observation window itself
     if standby.poll() is not None:
-        raise RuntimeError(f"the standby coordinator exited (code {standby.returncode})")
+        raise BenchFailed(f"the standby coordinator exited (code {standby.returncode})")
     after = [m for m in members() if m["id"] in ids]
     elsewhere = [m["id"] for m in after if m["active"] != address]
     unheard = [m["id"] for m in after if m["role"] == "agent" and m["heard"] <= m["switched"]]
     if elsewhere or unheard:
-        raise RuntimeError(
+        raise BenchFailed(
             f"after the takeover {len(elsewhere)} members obey another coordinator than "
             f"{address} and {len(unheard)} agents heard nothing from it"
         )
@@ -409,7 +411,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             deadline = time.monotonic() + 60
             while not info_path.exists():
                 if time.monotonic() > deadline or coord.poll() is not None:
-                    raise RuntimeError("the coordinator did not start")
+                    raise BenchFailed("the coordinator did not start")
                 time.sleep(0.05)
             port = json.loads(info_path.read_text())["port"]
             ctx = multiprocessing.get_context("spawn")
@@ -458,9 +460,13 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     if found:
                         return found[0]
                     time.sleep(0.02)
-                raise RuntimeError(f"no {name} {match} within {timeout:.0f}s")
+                joined = len(events("rank_joined"))
+                raise BenchFailed(
+                    f"no {name} {match} within {timeout:.0f}s ({joined} of {n} ranks joined)"
+                )
 
-            wait("generation_complete", generation=1)
+            # Every member says hello at once: the first generation waits for the last of them.
+            wait("generation_complete", timeout=120 * max(1.0, n / 2048), generation=1)
 
             def beats() -> int:
                 for c in conns:
@@ -493,7 +499,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     if after:
                         break
                     if time.monotonic() > end:
-                        raise RuntimeError(f"no generation after the fault of rank {rank}")
+                        raise BenchFailed(f"no generation after the fault of rank {rank}")
                     time.sleep(0.02)
                 started = after[0]
                 gen = started["generation"]

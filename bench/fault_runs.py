@@ -34,6 +34,11 @@ class UsageError(ValueError):
     """A bad flag value: reported as one line, exit code 2."""
 
 
+class BenchFailed(RuntimeError):
+    """A measurement could not be made (a job or coordinator did not get where the bench
+    waits for it): reported as one line, exit code 1."""
+
+
 def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_every: int) -> None:
     """Flags every fault benchmark takes."""
     p.add_argument("--model", default="example", help="tiny, small or example (default)")

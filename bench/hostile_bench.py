@@ -27,6 +27,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
+from bench.fault_runs import BenchFailed
 from launcher import protocol
 
 _JOB = "p2p-job"
@@ -131,7 +132,7 @@ def measure(args: argparse.Namespace) -> dict:
     agent_hello = {"role": "agent", "node": 0, "pid": os.getpid(), "world_size": 2}
     legit.send_multipart(agent.encode(protocol.HELLO, agent_hello))
     if not _join(legit, agent):
-        raise RuntimeError("the legitimate agent was never welcomed")
+        raise BenchFailed("the legitimate agent was never welcomed")
     hello = agent.encode(protocol.HELLO, agent_hello)  # captured, with this run's nonce
     beats = [agent.encode(protocol.HEARTBEAT, {})]
     legit.send_multipart(hello)

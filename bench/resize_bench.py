@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import run_baseline
-from bench.fault_runs import UsageError
+from bench.fault_runs import BenchFailed, UsageError
 from bench.runner import EXAMPLE
 from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS, ENV_RUN_DIR
 from launcher.testing import LocalJob
@@ -122,7 +122,7 @@ def _wait_for_resizes(job: LocalJob, count: int, deadline: float, what: str) -> 
     while len(_resizes(job)) < count:
         if time.monotonic() > deadline or job.nodes[0].poll() is not None:
             hint = " (a small model may need --step-time)" if job.nodes[0].poll() == 0 else ""
-            raise RuntimeError(f"the job did not {what}{hint}: {job.output(0)[-2000:]}")
+            raise BenchFailed(f"the job did not {what}{hint}: {job.output(0)[-2000:]}")
         time.sleep(0.2)
 
 

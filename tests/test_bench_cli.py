@@ -95,6 +95,20 @@ def test_bad_bench_input_is_one_line(capsys):
     assert "--size-mb" in capsys.readouterr().err
 
 
+def test_a_measurement_that_cannot_be_made_is_one_line_and_exit_code_1(capsys, monkeypatch):
+    import bench.data_bench
+    from bench.fault_runs import BenchFailed
+
+    why = "no generation_complete within 960s (9 of 16 ranks joined)"
+
+    def run(args):
+        raise BenchFailed(why)
+
+    monkeypatch.setattr(bench.data_bench, "run", run)
+    assert main(["data"]) == 1
+    assert capsys.readouterr().err == f"p2p-bench data: failed: {why}\n"
+
+
 FAST = ["--model", "tiny", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "3"]
 
 
