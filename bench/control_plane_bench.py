@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import select
 import subprocess
@@ -111,12 +112,12 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 16384)
     members: dict[str, dict[str, Any]] = {}
-    by_sock: dict[zmq.Socket, dict[str, Any]] = {}
+    by_sock: dict[zmq.Socket[bytes], dict[str, Any]] = {}
     poller = zmq.Poller()
     interval = spec["interval"]
     beats = 0
 
-    def watch(m: dict[str, Any], s: zmq.Socket) -> None:
+    def watch(m: dict[str, Any], s: zmq.Socket[bytes]) -> None:
         s.setsockopt(zmq.LINGER, 0)
         by_sock[s] = m
         poller.register(s, zmq.POLLIN)
@@ -159,7 +160,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
         m["links"].sockets.clear()
         del members[m["id"]]
 
-    def vote(m: dict[str, Any], sock: zmq.Socket, msg: Any) -> None:
+    def vote(m: dict[str, Any], sock: zmq.Socket[bytes], msg: Any) -> None:
         # As launcher.agent.Agent._vote: yes only when this node lost the active one too.
         links = m["links"]
         address = links.address_of(sock)
@@ -182,7 +183,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
     while True:
         now = time.monotonic()
         due = min((m["next"] for m in members.values() if not m["silent"]), default=now + 1)
-        for item, _ in poller.poll(max(0.0, due - now) * 1000):
+        for item, _ in poller.poll(math.ceil(max(0.0, due - now) * 1000)):
             if item == conn.fileno():
                 cmd = conn.recv()
                 if cmd[0] == "stop":
@@ -231,9 +232,10 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                     remove(victim)
                     conn.send(t0)
                 continue
-            m = by_sock.get(item)
-            if m is None:
+            owner = by_sock.get(item)
+            if owner is None:
                 continue  # a member removed while this batch of events was pending
+            m = owner
             links = m["links"]
             received = links.receive(item)
             if received.takeover and m["switched"] is None:
@@ -284,11 +286,11 @@ def _established(port: int) -> int:
 def _takeover(
     args: argparse.Namespace,
     run_dir: str,
-    coord: subprocess.Popen,
-    standby: subprocess.Popen,
+    coord: subprocess.Popen[bytes],
+    standby: subprocess.Popen[bytes],
     conns: list[Any],
-    events: Callable[..., list[dict]],
-    wait: Callable[..., dict],
+    events: Callable[..., list[dict[str, Any]]],
+    wait: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
     """SIGKILL the active coordinator; per member, the time until it heartbeat the standby."""
     info = Path(run_dir) / "coordinator-1.json"
@@ -368,7 +370,7 @@ def _takeover(
     }
 
 
-def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen:
+def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen[bytes]:
     """The real coordinator process, given its configuration as p2p-run gives it."""
     from launcher.config import dump, write_private
     from launcher.coordinator import config_file
@@ -404,7 +406,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             ),
         )
         coord = _start_coordinator(settings)
-        standby: subprocess.Popen | None = None
+        standby: subprocess.Popen[bytes] | None = None
         procs, conns = [], []
         try:
             info_path = Path(tmp) / "coordinator.json"
@@ -417,7 +419,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             ctx = multiprocessing.get_context("spawn")
             spares = args.exits + 1
             for w in range(args.workers):
-                members = []
+                members: list[tuple[str, str, int, int | None]] = []
                 for node in range(w, nodes, args.workers):
                     members.append((f"agent/{node}", "agent", node, None))
                     for local in range(RANKS_PER_NODE):
@@ -446,14 +448,14 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
             log = EventTail(tmp)
 
-            def events(name: str, **match: Any) -> list[dict]:
+            def events(name: str, **match: Any) -> list[dict[str, Any]]:
                 return [
                     e
                     for e in log.read()
                     if e["event"] == name and all(e.get(k) == v for k, v in match.items())
                 ]
 
-            def wait(name: str, timeout: float = 120, **match: Any) -> dict:
+            def wait(name: str, timeout: float = 120, **match: Any) -> dict[str, Any]:
                 end = time.monotonic() + timeout
                 while time.monotonic() < end:
                     found = events(name, **match)

@@ -21,13 +21,17 @@ import shlex
 import socket
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench import phases
 from bench.baseline import run_baseline
 from bench.faults import COORDINATOR_KINDS, Fault, parse_fault, random_faults
 from bench.runner import JobOutcome, bitwise_differences, run_example, run_script
+
+if TYPE_CHECKING:
+    from bench.report import LiveProgress
 
 
 class UsageError(ValueError):
@@ -168,7 +172,11 @@ def _work_dir(args: argparse.Namespace) -> Path:
 
 
 def run_checkpointless(
-    args: argparse.Namespace, faults: list[Fault], progress: Any, *, reference: bool = True
+    args: argparse.Namespace,
+    faults: list[Fault],
+    progress: LiveProgress,
+    *,
+    reference: bool = True,
 ) -> dict[str, Any]:
     """The engine's run with the faults (and the fault-free reference); its report section."""
     work = _work_dir(args)
@@ -202,8 +210,10 @@ def run_checkpointless(
         on_poll=lambda events: _progress_from(progress, events),
         **common,
     )
-    events = outcome.job.events()
-    t0 = outcome.job.started_t
+    job = outcome.job
+    assert job is not None  # a run of the job, not a kept reference
+    events = job.events()
+    t0 = job.started_t
     section: dict[str, Any] = {
         "wall_s": outcome.wall_s,
         "exit_codes": outcome.codes,
@@ -216,18 +226,19 @@ def run_checkpointless(
         "timeline": phases.timeline(events, t0),
         "bitwise_equal": None,
         "differences": [],
-        "run_dir": str(outcome.job.run_dir),
+        "run_dir": str(job.run_dir),
     }
     # A node the schedule kills exits with its agent's signal; every other must end cleanly.
     down = killed_nodes(faults)
     if any(code != 0 for n, code in enumerate(outcome.codes) if n not in down):
-        section["error"] = _last_lines(outcome.job.output(0))
+        section["error"] = _last_lines(job.output(0))
     progress.run_finished(f"checkpointless run: exit codes {outcome.codes}")
     if reference:
         ref = _reference(args, work, run, common, progress)
         problems = bitwise_differences(outcome, ref)
         if ref.codes != [0] * args.nnodes:
-            problems.append(f"the reference run failed: {_last_lines(ref.job.output(0))}")
+            output = ref.job.output(0) if ref.job is not None else ""
+            problems.append(f"the reference run failed: {_last_lines(output)}")
         section["bitwise_equal"] = not problems
         section["differences"] = problems[:20]
         section["reference_wall_s"] = ref.wall_s
@@ -235,7 +246,11 @@ def run_checkpointless(
 
 
 def _reference(
-    args: argparse.Namespace, work: Path, run: Any, common: dict[str, Any], progress: Any
+    args: argparse.Namespace,
+    work: Path,
+    run: Callable[..., JobOutcome],
+    common: dict[str, Any],
+    progress: LiveProgress,
 ) -> JobOutcome:
     """The fault-free run of the job: from ``--reference-cache`` when it holds one, else run."""
     cache = getattr(args, "reference_cache", None)
@@ -280,7 +295,9 @@ def _job_key(args: argparse.Namespace) -> str:
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) -> dict[str, Any]:
+def run_restart(
+    args: argparse.Namespace, faults: list[Fault], progress: LiveProgress
+) -> dict[str, Any]:
     """The checkpoint-restart baseline with the same faults; its report section."""
     work = _work_dir(args)
     progress.run_started("checkpoint-restart", args.steps)
@@ -328,7 +345,7 @@ def _copies_lost(measured: list[dict[str, Any]], faults: list[Fault]) -> list[di
     return measured
 
 
-def _progress_from(progress: Any, events: list[dict[str, Any]]) -> None:
+def _progress_from(progress: LiveProgress, events: list[dict[str, Any]]) -> None:
     steps = [e["step"] for e in events if e.get("event") == "step_done"]
     recovering = any(e.get("event") == "fault_injected" for e in events[-20:])
     progress.update(max(steps, default=0), "recovering" if recovering else "")
@@ -413,7 +430,7 @@ def out_dir(args: argparse.Namespace, kind: str) -> Path:
 
 
 @contextlib.contextmanager
-def progress(args: argparse.Namespace, runs: int):
+def progress(args: argparse.Namespace, runs: int) -> Iterator[LiveProgress]:
     """The live progress display of the runs (nothing with ``--quiet`` or ``--json``)."""
     from bench.report import LiveProgress
 

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import resource
 import tempfile
 import time
+from collections.abc import Callable
+from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import zmq
@@ -53,7 +57,13 @@ def _vm_hwm_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _coordinator(run_dir: str, secret_file: str, port_q, result_q, stop_evt) -> None:
+def _coordinator(
+    run_dir: str,
+    secret_file: str,
+    port_q: mp.Queue[int],
+    result_q: mp.Queue[dict[str, Any]],
+    stop_evt: Event,
+) -> None:
     from launcher.coordinator import Coordinator, CoordinatorConfig
     from launcher.membership import MembershipConfig
 
@@ -84,8 +94,8 @@ def _coordinator(run_dir: str, secret_file: str, port_q, result_q, stop_evt) -> 
         c.close()
 
 
-def _dealer(ctx: zmq.Context, routing: str, port: int) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
+def _dealer(ctx: zmq.Context[Any], routing: str, port: int) -> zmq.Socket[bytes]:
+    s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, routing.encode())
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
@@ -93,7 +103,7 @@ def _dealer(ctx: zmq.Context, routing: str, port: int) -> zmq.Socket:
     return s
 
 
-def _signed(secret: bytes, doc: dict) -> list[bytes]:
+def _signed(secret: bytes, doc: dict[str, Any]) -> list[bytes]:
     import hashlib
     import hmac
 
@@ -101,17 +111,19 @@ def _signed(secret: bytes, doc: dict) -> list[bytes]:
     return [hmac.new(secret, payload, hashlib.sha256).digest(), payload]
 
 
-def _join(sock: zmq.Socket, codec: protocol.Codec, timeout_s: float = 60.0) -> bool:
+def _join(sock: zmq.Socket[bytes], codec: protocol.Codec, timeout_s: float = 60.0) -> bool:
     """Read ``sock`` until the coordinator welcomes ``codec``'s hello (its challenge is answered
     on the way: the codec learns the run nonce and says hello again)."""
     deadline = time.monotonic() + timeout_s
     while (left_s := deadline - time.monotonic()) > 0:
-        if sock.poll(left_s * 1000) and any(m.type == protocol.WELCOME for m in codec.drain(sock)):
+        if sock.poll(math.ceil(left_s * 1000)) and any(
+            m.type == protocol.WELCOME for m in codec.drain(sock)
+        ):
             return True
     return False
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the attack and return the figures."""
     tmp = tempfile.mkdtemp(prefix="p2p-hostile-")
     secret_file = os.path.join(tmp, "secret")
@@ -145,7 +157,11 @@ def measure(args: argparse.Namespace) -> dict:
     no_key.run = agent.run
     wrong = os.urandom(32)
     big = b"\0" * (args.oversized_mb << 20)
-    kinds = {
+    replayed: list[tuple[str, dict[str, Any]]] = [
+        (protocol.HELLO, {"role": "rank", "node": 0, "pid": 1, "rank": 0}),
+        (protocol.SCALE, {"size": 1}),
+    ]
+    kinds: dict[str, Callable[[int], list[bytes]]] = {
         "random frames": lambda i: [os.urandom(32), os.urandom(i % 300)],
         "wrong secret": lambda i: _signed(wrong, {"v": 2, "type": "scale", "body": {"size": 1}}),
         "list or map type": lambda i: _signed(
@@ -156,12 +172,7 @@ def measure(args: argparse.Namespace) -> dict:
             secret,
             {"v": 2, "job": _JOB, "type": "hello", "sender": "rank/0/0", "gen": "0", "seq": i},
         ),
-        "a previous run's hello and scale": lambda i: other_run.encode(
-            *[
-                (protocol.HELLO, {"role": "rank", "node": 0, "pid": 1, "rank": 0}),
-                (protocol.SCALE, {"size": 1}),
-            ][i % 2]
-        ),
+        "a previous run's hello and scale": lambda i: other_run.encode(*replayed[i % 2]),
     }
     for kind, make in kinds.items():
         for i in range(args.per_kind):

@@ -215,7 +215,9 @@ def merged_downtime(faults: Sequence[dict[str, Any]]) -> float | None:
     spans = [f for f in faults if not f.get("silent")]
     if not spans or any(f.get("downtime_s") is None for f in spans):
         return None
-    intervals = sorted((f["t_fault"], f["t_fault"] + f["downtime_s"]) for f in spans)
+    intervals: list[tuple[float, float]] = sorted(
+        (f["t_fault"], f["t_fault"] + f["downtime_s"]) for f in spans
+    )
     total, start, end = 0.0, *intervals[0]
     for a, b in intervals[1:]:
         if a > end:

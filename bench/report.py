@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeGuard
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,9 @@ def render_markdown(report: Report, *, plots_missing: str | None = None) -> str:
     job, machine = _section(report, "job"), _section(report, "machine")
     summary, modes = _section(report, "summary"), _section(report, "modes")
     kind = report.get("kind")
+    title = _TITLES.get(kind, "p2p-bench report") if isinstance(kind, str) else "p2p-bench report"
     out = [
-        f"# {_TITLES.get(kind, 'p2p-bench report')}",
+        f"# {title}",
         "",
         f"Created {report.get('created', NA)}.",
     ]
@@ -161,7 +162,8 @@ def _mode_markdown(mode: str, section: dict[str, Any]) -> list[str]:
             continue
         if fault.get("error"):
             out += ["", f"Not measured: {fault['error']}."]
-        phases = fault.get("phases") if isinstance(fault.get("phases"), dict) else {}
+        phases = fault.get("phases")
+        phases = phases if isinstance(phases, dict) else {}
         rows = [(phase, _fmt(seconds, ".3f")) for phase, seconds in phases.items()]
         rows += [
             ("**downtime**", f"**{_fmt(fault.get('downtime_s'), '.3f')}**"),
@@ -286,7 +288,9 @@ def _phase_colours(bars: list[tuple[str, dict[str, float], float]]) -> dict[str,
     """One colour per phase name, in order of first appearance, the same in every bar."""
     import matplotlib
 
-    palette = [c for name in _PALETTE for c in matplotlib.colormaps[name].colors]
+    # tab10 and Dark2 are lists of colours: entry i of each, as RGBA.
+    maps = [matplotlib.colormaps[name] for name in _PALETTE]
+    palette = [colormap(i) for colormap in maps for i in range(colormap.N)]
     names = list(dict.fromkeys(phase for _, phases, _ in bars for phase in phases))
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
 
@@ -301,7 +305,7 @@ def _section(report: Report, key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

@@ -100,7 +100,7 @@ def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         codes = job.wait(max(1.0, deadline - time.monotonic()))
     finally:
         job.kill_everything()
-    out = {"exit_codes": codes}
+    out: dict[str, Any] = {"exit_codes": codes}
     for label, (resize, done) in zip(("grow", "shrink"), _resizes(job), strict=False):
         # A joining process waits from the announcement on while the job still trains: the
         # resize starts when the first rank that was training stops.
