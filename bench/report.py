@@ -1,8 +1,9 @@
 """The report folder of the failure-injection benchmarks (``inject``, ``baseline``, ``compare``).
 
-The benchmarks build one plain dict (see ``fault_runs.new_report``); this module turns it into
-``report.json``, ``report.md``, ``phases.png`` and ``timeline.png``, and shows the live progress
-of the runs. Any field may be missing after a partial run, so every read is defensive and a
+The benchmarks build a :class:`bench.reports.FaultRunReport`; this module turns its JSON document
+(``to_json()``) into ``report.json``, ``report.md``, ``phases.png`` and ``timeline.png``, and
+shows the live progress of the runs. It renders any such document, one read back or cut short
+included: any field may be missing after a partial run, so every read is defensive and a
 missing figure reads "n/a". matplotlib and rich are optional (``pip install -e '.[bench]'``).
 """
 
