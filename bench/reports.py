@@ -319,3 +319,120 @@ class FaultRunReport:
             restart=RestartRun.from_json(modes["restart"]) if "restart" in modes else None,
             summary=summary,
         )
+
+
+@dataclass(slots=True)
+class InPlaceResize:
+    """One resize of ``p2p-bench resize``'s in-place run: its last rank ready to train."""
+
+    from_size: int
+    to_size: int
+    step: int
+    """The step the job resumed from."""
+    resize_s: float
+    """From the first rank that was training stopping to the last rank ready."""
+    phases_ms: dict[str, float]
+    """The last rank's phases."""
+    bytes_received: int
+    """Over every rank."""
+
+    def to_json(self) -> Json:
+        return {
+            "from": self.from_size,
+            "to": self.to_size,
+            "step": self.step,
+            "resize_s": self.resize_s,
+            "phases_ms": self.phases_ms,
+            "bytes_received": self.bytes_received,
+        }
+
+
+@dataclass(slots=True)
+class InPlaceRun:
+    """The in-place run: it grows into a spare, then gives a rank back."""
+
+    exit_codes: list[int]
+    grow: InPlaceResize | None = None
+    shrink: InPlaceResize | None = None
+    """``None``: the resize did not complete."""
+
+    def to_json(self) -> Json:
+        out: Json = {"exit_codes": self.exit_codes}
+        for label, resize in (("grow", self.grow), ("shrink", self.shrink)):
+            if resize is not None:
+                out[label] = resize.to_json()
+        return out
+
+
+@dataclass(slots=True)
+class DcpResize:
+    """One resize through a DCP checkpoint: save, every process exits, restart and load."""
+
+    from_size: int
+    to_size: int
+    exit_codes: list[int]
+    """The run that saved, then the run that loaded."""
+    save_s: float
+    stop_s: float
+    restart_and_load_s: float
+    """From the restarted job's start to its first batch ready."""
+    resize_s: float
+
+    def to_json(self) -> Json:
+        return {
+            "from": self.from_size,
+            "to": self.to_size,
+            "exit_codes": self.exit_codes,
+            "save_s": self.save_s,
+            "stop_s": self.stop_s,
+            "restart_and_load_s": self.restart_and_load_s,
+            "resize_s": self.resize_s,
+        }
+
+
+@dataclass(slots=True)
+class ResizeReport:
+    """``p2p-bench resize``: each resize in place against the same resize through DCP."""
+
+    model: str
+    in_place: InPlaceRun
+    dcp_grow: DcpResize | None = None
+    dcp_shrink: DcpResize | None = None
+    """``None``: not measured (``--no-dcp``)."""
+
+    def in_place_of(self, label: str) -> InPlaceResize | None:
+        """The in-place ``grow`` or ``shrink``."""
+        return self.in_place.grow if label == "grow" else self.in_place.shrink
+
+    def dcp_of(self, label: str) -> DcpResize | None:
+        """The ``grow`` or ``shrink`` through DCP."""
+        return self.dcp_grow if label == "grow" else self.dcp_shrink
+
+    def speedup_vs_dcp(self, label: str) -> float | None:
+        """How many times faster in place than through DCP, one decimal."""
+        ours, theirs = self.in_place_of(label), self.dcp_of(label)
+        if ours is None or theirs is None or not ours.resize_s or not theirs.resize_s:
+            return None
+        return round(theirs.resize_s / ours.resize_s, 1)
+
+    @property
+    def resize_speedup_vs_dcp(self) -> float | None:
+        """The smaller speedup of the two directions (``None`` unless both were measured)."""
+        speedups = [self.speedup_vs_dcp(label) for label in ("grow", "shrink")]
+        return min(s for s in speedups if s) if all(speedups) else None
+
+    def to_json(self) -> Json:
+        """The object ``p2p-bench resize --json`` prints."""
+        dcp = {
+            label: run.to_json()
+            for label, run in (("grow", self.dcp_grow), ("shrink", self.dcp_shrink))
+            if run is not None
+        }
+        out: Json = {"model": self.model, "in_place": self.in_place.to_json(), "dcp": dcp}
+        for label in ("grow", "shrink"):
+            ours, theirs = self.in_place_of(label), self.dcp_of(label)
+            out[f"{label}_resize_s"] = None if ours is None else ours.resize_s
+            out[f"{label}_resize_dcp_s"] = None if theirs is None else theirs.resize_s
+            out[f"{label}_speedup_vs_dcp"] = self.speedup_vs_dcp(label)
+        out["resize_speedup_vs_dcp"] = self.resize_speedup_vs_dcp
+        return out

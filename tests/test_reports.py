@@ -15,10 +15,14 @@ from bench.reports import (
     BaselineSummary,
     CheckpointlessRun,
     CompareSummary,
+    DcpResize,
     FaultRunReport,
+    InPlaceResize,
+    InPlaceRun,
     JobInfo,
     Machine,
     RecoverSummary,
+    ResizeReport,
     RestartRun,
 )
 
@@ -248,3 +252,49 @@ def test_notes_name_lost_copies_silent_faults_and_unmeasured_ones():
     assert "bitflip:rank=2@step=3 corrupts silently" in text
     assert "restart: bitflip:rank=2@step=3: the job did not restart" in text
     assert "every 3 steps" in text and "16 CPU cores, no GPU" in text
+
+
+def test_the_resize_report_has_the_keys_it_always_printed():
+    grow = InPlaceResize(3, 4, 7, 2.0, {"build": 300.0}, 1 << 20)
+    report = ResizeReport("tiny", InPlaceRun([0, 0, 0], grow=grow))
+    doc = report.to_json()
+    assert list(doc) == [
+        "model",
+        "in_place",
+        "dcp",
+        "grow_resize_s",
+        "grow_resize_dcp_s",
+        "grow_speedup_vs_dcp",
+        "shrink_resize_s",
+        "shrink_resize_dcp_s",
+        "shrink_speedup_vs_dcp",
+        "resize_speedup_vs_dcp",
+    ]
+    assert doc["in_place"] == {
+        "exit_codes": [0, 0, 0],
+        "grow": {
+            "from": 3,
+            "to": 4,
+            "step": 7,
+            "resize_s": 2.0,
+            "phases_ms": {"build": 300.0},
+            "bytes_received": 1 << 20,
+        },
+    }
+    assert doc["dcp"] == {} and doc["resize_speedup_vs_dcp"] is None
+    report.in_place.shrink = dataclasses.replace(grow, from_size=4, to_size=3, resize_s=4.0)
+    report.dcp_grow = DcpResize(3, 4, [0, 0], 5.0, 1.0, 9.0, 15.0)
+    report.dcp_shrink = DcpResize(4, 3, [0, 0], 5.0, 1.0, 8.0, 14.0)
+    doc = report.to_json()
+    assert list(doc["dcp"]) == ["grow", "shrink"]
+    assert list(doc["dcp"]["grow"]) == [
+        "from",
+        "to",
+        "exit_codes",
+        "save_s",
+        "stop_s",
+        "restart_and_load_s",
+        "resize_s",
+    ]
+    assert doc["grow_speedup_vs_dcp"] == 7.5 and doc["shrink_speedup_vs_dcp"] == 3.5
+    assert doc["resize_speedup_vs_dcp"] == 3.5
