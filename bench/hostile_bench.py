@@ -32,6 +32,7 @@ import msgpack
 import zmq
 
 from bench.fault_runs import BenchFailed
+from bench.reports import HostileReport
 from launcher import protocol
 
 _JOB = "p2p-job"
@@ -123,7 +124,7 @@ def _join(sock: zmq.Socket[bytes], codec: protocol.Codec, timeout_s: float = 60.
     return False
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> HostileReport:
     """Run the attack and return the figures."""
     tmp = tempfile.mkdtemp(prefix="p2p-hostile-")
     secret_file = os.path.join(tmp, "secret")
@@ -227,23 +228,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lost = [
         e for e in events if e.get("identity") in ("agent/0", "agent/1") and "lost" in e["event"]
     ]
-    return {
-        "tried_by_kind": tried,
-        "tried_total": sum(tried.values()),
-        "crashes": 0 if child.exitcode == 0 and result["exit_code"] is None else 1,
-        "state_changes_from_unauthenticated": len(set(result["procs"]) - {"agent/0", "agent/1"}),
-        "resizes_without_operator_key": int(result["requested_size"] is not None),
-        "members": result["procs"],
-        "dropped": result["dropped"],
-        "peak_coordinator_rss_mb": round(result["peak_rss_mb"], 1),
-        "flood_sockets": args.flood_sockets,
-        "flood_s": round(flood_s, 2),
-        "legit_lost_events": len(lost),
-        "squatted_identity_answered": real_answered,
-        "squatter_messages_received": squatter_received,
-        "refused_connections": result["refused_connections"],
-        "over_quota": result["over_quota"],
-    }
+    return HostileReport(
+        tried_by_kind=tried,
+        tried_total=sum(tried.values()),
+        crashes=0 if child.exitcode == 0 and result["exit_code"] is None else 1,
+        state_changes_from_unauthenticated=len(set(result["procs"]) - {"agent/0", "agent/1"}),
+        resizes_without_operator_key=int(result["requested_size"] is not None),
+        members=result["procs"],
+        dropped=result["dropped"],
+        peak_coordinator_rss_mb=round(result["peak_rss_mb"], 1),
+        flood_sockets=args.flood_sockets,
+        flood_s=round(flood_s, 2),
+        legit_lost_events=len(lost),
+        squatted_identity_answered=real_answered,
+        squatter_messages_received=squatter_received,
+        refused_connections=result["refused_connections"],
+        over_quota=result["over_quota"],
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,27 +254,21 @@ def run(args: argparse.Namespace) -> int:
         [
             "| kind | messages tried |",
             "|---|---:|",
-            *(f"| {k} | {v:,} |" for k, v in r["tried_by_kind"].items()),
+            *(f"| {k} | {v:,} |" for k, v in r.tried_by_kind.items()),
             "",
-            f"crashes: {r['crashes']}; state changes from unauthenticated input: "
-            f"{r['state_changes_from_unauthenticated']}; peak coordinator RSS under a "
-            f"{r['flood_sockets']}-socket flood: {r['peak_coordinator_rss_mb']} MB; legitimate "
-            f"agent taken for lost: {r['legit_lost_events']}; squatted identity's owner "
-            f"answered: {r['squatted_identity_answered']}; messages the squatter received: "
-            f"{r['squatter_messages_received']}; resizes without the operator key: "
-            f"{r['resizes_without_operator_key']}",
+            f"crashes: {r.crashes}; state changes from unauthenticated input: "
+            f"{r.state_changes_from_unauthenticated}; peak coordinator RSS under a "
+            f"{r.flood_sockets}-socket flood: {r.peak_coordinator_rss_mb} MB; legitimate "
+            f"agent taken for lost: {r.legit_lost_events}; squatted identity's owner "
+            f"answered: {r.squatted_identity_answered}; messages the squatter received: "
+            f"{r.squatter_messages_received}; resizes without the operator key: "
+            f"{r.resizes_without_operator_key}",
         ]
     )
     if args.out_dir:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(r, indent=1))
+        (out / "report.json").write_text(json.dumps(r.to_json(), indent=1))
         (out / "report.md").write_text(md + "\n")
-    print(json.dumps(r) if args.json else md)
-    ok = (
-        r["crashes"] == 0
-        and r["state_changes_from_unauthenticated"] == 0
-        and r["resizes_without_operator_key"] == 0
-        and r["squatter_messages_received"] == 0
-    )
-    return 0 if ok else 1
+    print(json.dumps(r.to_json()) if args.json else md)
+    return 0 if r.passed else 1

@@ -436,3 +436,43 @@ class ResizeReport:
             out[f"{label}_speedup_vs_dcp"] = self.speedup_vs_dcp(label)
         out["resize_speedup_vs_dcp"] = self.resize_speedup_vs_dcp
         return out
+
+
+@dataclass(slots=True)
+class HostileReport:
+    """``p2p-bench hostile``: hostile input against a real coordinator, and what it changed."""
+
+    tried_by_kind: dict[str, int]
+    """Messages sent, per kind of attack."""
+    tried_total: int
+    crashes: int
+    """1 if the coordinator process died or stopped the job."""
+    state_changes_from_unauthenticated: int
+    """Members the coordinator admitted beyond the two legitimate agents."""
+    resizes_without_operator_key: int
+    members: list[str]
+    dropped: int
+    """Messages the coordinator dropped."""
+    peak_coordinator_rss_mb: float
+    flood_sockets: int
+    flood_s: float
+    legit_lost_events: int
+    """Times a legitimate agent was taken for lost during the flood."""
+    squatted_identity_answered: bool
+    """The owner of a name a squatter connected with first was welcomed all the same."""
+    squatter_messages_received: int
+    refused_connections: int
+    over_quota: int
+
+    @property
+    def passed(self) -> bool:
+        """No crash, no change of state or size from hostile input, nothing to the squatter."""
+        return (
+            self.crashes == 0
+            and self.state_changes_from_unauthenticated == 0
+            and self.resizes_without_operator_key == 0
+            and self.squatter_messages_received == 0
+        )
+
+    def to_json(self) -> Json:
+        return dataclasses.asdict(self)

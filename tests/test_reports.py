@@ -17,6 +17,7 @@ from bench.reports import (
     CompareSummary,
     DcpResize,
     FaultRunReport,
+    HostileReport,
     InPlaceResize,
     InPlaceRun,
     JobInfo,
@@ -298,3 +299,27 @@ def test_the_resize_report_has_the_keys_it_always_printed():
     ]
     assert doc["grow_speedup_vs_dcp"] == 7.5 and doc["shrink_speedup_vs_dcp"] == 3.5
     assert doc["resize_speedup_vs_dcp"] == 3.5
+
+
+def test_the_hostile_report_passes_only_when_nothing_got_through():
+    report = HostileReport(
+        {"random frames": 20},
+        20,
+        0,
+        0,
+        0,
+        ["agent/0", "agent/1"],
+        20,
+        80.5,
+        10,
+        3.2,
+        0,
+        True,
+        0,
+        0,
+        0,
+    )
+    assert list(report.to_json())[:3] == ["tried_by_kind", "tried_total", "crashes"]
+    assert report.passed
+    assert not dataclasses.replace(report, squatter_messages_received=1).passed
+    assert not dataclasses.replace(report, crashes=1).passed
