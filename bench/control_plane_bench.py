@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.fault_runs import BenchFailed
+from bench.reports import ControlPlaneReport, ControlPlaneSize, Takeover
 
 if TYPE_CHECKING:
     from launcher.coordinator import CoordinatorConfig
@@ -291,7 +292,7 @@ def _takeover(
     conns: list[Any],
     events: Callable[..., list[dict[str, Any]]],
     wait: Callable[..., dict[str, Any]],
-) -> dict[str, Any]:
+) -> Takeover:
     """SIGKILL the active coordinator; per member, the time until it heartbeat the standby."""
     info = Path(run_dir) / "coordinator-1.json"
     end = time.monotonic() + 60
@@ -357,17 +358,17 @@ def _takeover(
             f"after the takeover {len(elsewhere)} members obey another coordinator than "
             f"{address} and {len(unheard)} agents heard nothing from it"
         )
-    return {
-        "takeover_ms_p50": _pct(switched, 50),
-        "takeover_ms_p99": _pct(switched, 99),
-        "takeover_timeout_s": args.takeover_timeout,
-        "takeover_members": len(switched),
-        "takeover_votes": len(took["votes"]),
+    return Takeover(
+        takeover_ms_p50=_pct(switched, 50),
+        takeover_ms_p99=_pct(switched, 99),
+        takeover_timeout_s=args.takeover_timeout,
+        takeover_members=len(switched),
+        takeover_votes=len(took["votes"]),
         # Members that switched on a later message of the new term: the takeover message
         # itself did not reach them (should be 0).
-        "takeover_not_told": sum(1 for m in now.values() if not m["told"]),
-        "election_ms": (took["t"] - killed_at) * 1e3,
-    }
+        takeover_not_told=sum(1 for m in now.values() if not m["told"]),
+        election_ms=(took["t"] - killed_at) * 1e3,
+    )
 
 
 def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen[bytes]:
@@ -380,7 +381,7 @@ def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "launcher.coordinator", "--config", str(path)])
 
 
-def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+def _measure_size(n: int, args: argparse.Namespace) -> ControlPlaneSize:
     import multiprocessing
 
     from launcher import protocol
@@ -515,7 +516,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 last_beat = conns[node % args.workers].recv()
                 fault = wait("fault", timeout=args.heartbeat_timeout * 10, identity=f"rank/{rank}")
                 hang.append(fault["t"] - last_beat)
-            takeover: dict[str, Any] = {}
+            takeover: Takeover | None = None
             if not args.no_takeover:
                 standby = _start_coordinator(
                     replace(
@@ -527,29 +528,29 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     )
                 )
                 takeover = _takeover(args, tmp, coord, standby, conns, events, wait)
-            result = {
-                "ranks": n,
-                "coordinator_cpu_share": cpu_share,
-                "heartbeats_per_s": beat_rate,
-                "heartbeats_per_s_configured": (n + nodes) / args.heartbeat_interval,
-                "detect_ms_p50": _pct(detect, 50),
-                "detect_ms_p99": _pct(detect, 99),
-                "generation_ms_p50": _pct(generation, 50),
-                "generation_ms_p99": _pct(generation, 99),
-                "hang_detect_s_p50": _pct(hang, 50),
-                "hang_detect_s_max": max(hang) if hang else float("nan"),
-                "heartbeat_timeout_s": args.heartbeat_timeout,
-                "exit_trials": len(detect),
-                **takeover,
-                # Faults of members the bench did not stop, before the takeover or after it,
-                # decided by either coordinator (should be 0; else the machine was too loaded
-                # for the emulation to keep its heartbeats).
-                "unexpected_faults": len(events("fault")) - args.exits - len(hang),
-            }
-            if takeover:
-                # ... of which the standby decided after it took over (none is expected then)
-                result["takeover_unexpected_faults"] = len(events("fault", source="coordinator/1"))
-            return result
+            # Faults of members the bench did not stop, before the takeover or after it, decided
+            # by either coordinator (should be 0; else the machine was too loaded for the
+            # emulation to keep its heartbeats) ...
+            unexpected = len(events("fault")) - args.exits - len(hang)
+            if takeover is not None:
+                # ... of which the standby decided after it took over (none is expected then).
+                takeover.unexpected_faults = len(events("fault", source="coordinator/1"))
+            return ControlPlaneSize(
+                ranks=n,
+                coordinator_cpu_share=cpu_share,
+                heartbeats_per_s=beat_rate,
+                heartbeats_per_s_configured=(n + nodes) / args.heartbeat_interval,
+                detect_ms_p50=_pct(detect, 50),
+                detect_ms_p99=_pct(detect, 99),
+                generation_ms_p50=_pct(generation, 50),
+                generation_ms_p99=_pct(generation, 99),
+                hang_detect_s_p50=_pct(hang, 50),
+                hang_detect_s_max=max(hang) if hang else float("nan"),
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                exit_trials=len(detect),
+                unexpected_faults=unexpected,
+                takeover=takeover,
+            )
         finally:
             for c in conns:
                 try:
@@ -584,16 +585,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     sizes = [_measure_size(n, args) for n in args.ranks]
-    report = {
-        "benchmark": "control-plane",
-        "heartbeat_interval_s": args.heartbeat_interval,
-        "heartbeat_timeout_s": args.heartbeat_timeout,
-        "takeover_timeout_s": None if args.no_takeover else args.takeover_timeout,
-        "sizes": sizes,
-        "command": "p2p-bench control-plane " + " ".join(sys.argv[2:]),
-    }
+    report = ControlPlaneReport(
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        takeover_timeout_s=None if args.no_takeover else args.takeover_timeout,
+        sizes=sizes,
+        command="p2p-bench control-plane " + " ".join(sys.argv[2:]),
+    )
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_json()))
         return 0
     print(
         f"heartbeat every {args.heartbeat_interval}s, timeout {args.heartbeat_timeout}s"
@@ -610,16 +610,15 @@ def run(args: argparse.Namespace) -> int:
     )
     print("  ".join(f"{h:>22}" for h in header))
     for s in sizes:
+        took = s.takeover
         cells = (
-            f"{s['ranks']}",
-            f"{s['coordinator_cpu_share'] * 100:.1f} %",
-            f"{s['heartbeats_per_s']:.0f} ({s['heartbeats_per_s_configured']:.0f})",
-            f"{s['detect_ms_p50']:.1f} / {s['detect_ms_p99']:.1f}",
-            f"{s['generation_ms_p50']:.1f} / {s['generation_ms_p99']:.1f}",
-            f"{s['hang_detect_s_p50']:.2f}",
-            f"{s['takeover_ms_p50']:.0f} / {s['takeover_ms_p99']:.0f}"
-            if "takeover_ms_p50" in s
-            else "-",
+            f"{s.ranks}",
+            f"{s.coordinator_cpu_share * 100:.1f} %",
+            f"{s.heartbeats_per_s:.0f} ({s.heartbeats_per_s_configured:.0f})",
+            f"{s.detect_ms_p50:.1f} / {s.detect_ms_p99:.1f}",
+            f"{s.generation_ms_p50:.1f} / {s.generation_ms_p99:.1f}",
+            f"{s.hang_detect_s_p50:.2f}",
+            f"{took.takeover_ms_p50:.0f} / {took.takeover_ms_p99:.0f}" if took else "-",
         )
         print("  ".join(f"{c:>22}" for c in cells))
     return 0

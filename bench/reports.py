@@ -476,3 +476,92 @@ class HostileReport:
 
     def to_json(self) -> Json:
         return dataclasses.asdict(self)
+
+
+@dataclass(slots=True)
+class Takeover:
+    """A standby coordinator taking over from the SIGKILLed active one, at one job size."""
+
+    takeover_ms_p50: float
+    """Per member, from the kill until it adopted the standby and sent it a heartbeat."""
+    takeover_ms_p99: float
+    takeover_timeout_s: float
+    """The silence the standby waits for before it asks for votes."""
+    takeover_members: int
+    takeover_votes: int
+    takeover_not_told: int
+    """Members that switched on a later message of the new term (should be 0)."""
+    election_ms: float
+    """From the kill to the standby's ``takeover`` event."""
+    unexpected_faults: int = 0
+    """Members the standby took for lost after it took over (should be 0)."""
+
+
+@dataclass(slots=True)
+class ControlPlaneSize:
+    """``p2p-bench control-plane``'s figures at one job size (``nan``: not measured)."""
+
+    ranks: int
+    coordinator_cpu_share: float
+    heartbeats_per_s: float
+    heartbeats_per_s_configured: float
+    detect_ms_p50: float
+    detect_ms_p99: float
+    generation_ms_p50: float
+    generation_ms_p99: float
+    hang_detect_s_p50: float
+    hang_detect_s_max: float
+    heartbeat_timeout_s: float
+    exit_trials: int
+    unexpected_faults: int
+    """Faults of members the bench did not stop, by either coordinator (should be 0)."""
+    takeover: Takeover | None = None
+    """``None``: ``--no-takeover``."""
+
+    def to_json(self) -> Json:
+        """The size's object: the takeover's figures before ``unexpected_faults``, and the
+        standby's own unexpected faults last."""
+        out: Json = {
+            "ranks": self.ranks,
+            "coordinator_cpu_share": self.coordinator_cpu_share,
+            "heartbeats_per_s": self.heartbeats_per_s,
+            "heartbeats_per_s_configured": self.heartbeats_per_s_configured,
+            "detect_ms_p50": self.detect_ms_p50,
+            "detect_ms_p99": self.detect_ms_p99,
+            "generation_ms_p50": self.generation_ms_p50,
+            "generation_ms_p99": self.generation_ms_p99,
+            "hang_detect_s_p50": self.hang_detect_s_p50,
+            "hang_detect_s_max": self.hang_detect_s_max,
+            "heartbeat_timeout_s": self.heartbeat_timeout_s,
+            "exit_trials": self.exit_trials,
+        }
+        if self.takeover is not None:
+            figures = dataclasses.asdict(self.takeover)
+            standby_faults = figures.pop("unexpected_faults")
+            out.update(figures)
+        out["unexpected_faults"] = self.unexpected_faults
+        if self.takeover is not None:
+            out["takeover_unexpected_faults"] = standby_faults
+        return out
+
+
+@dataclass(slots=True)
+class ControlPlaneReport:
+    """``p2p-bench control-plane``: one :class:`ControlPlaneSize` per ``--ranks``."""
+
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    takeover_timeout_s: float | None
+    """``None``: ``--no-takeover``."""
+    sizes: list[ControlPlaneSize]
+    command: str
+
+    def to_json(self) -> Json:
+        return {
+            "benchmark": "control-plane",
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "heartbeat_timeout_s": self.heartbeat_timeout_s,
+            "takeover_timeout_s": self.takeover_timeout_s,
+            "sizes": [size.to_json() for size in self.sizes],
+            "command": self.command,
+        }

@@ -15,6 +15,8 @@ from bench.reports import (
     BaselineSummary,
     CheckpointlessRun,
     CompareSummary,
+    ControlPlaneReport,
+    ControlPlaneSize,
     DcpResize,
     FaultRunReport,
     HostileReport,
@@ -25,6 +27,7 @@ from bench.reports import (
     RecoverSummary,
     ResizeReport,
     RestartRun,
+    Takeover,
 )
 
 SPEC = "kill:rank=1@step=5:phase=forward"
@@ -323,3 +326,33 @@ def test_the_hostile_report_passes_only_when_nothing_got_through():
     assert report.passed
     assert not dataclasses.replace(report, squatter_messages_received=1).passed
     assert not dataclasses.replace(report, crashes=1).passed
+
+
+def test_the_control_plane_report_puts_the_takeover_where_it_always_was():
+    size = ControlPlaneSize(32, 0.05, 170.0, 180.0, 3.0, 4.0, 50.0, 60.0, 1.1, 1.2, 1.0, 5, 0)
+    report = ControlPlaneReport(0.2, 1.0, None, [size], "p2p-bench control-plane --no-takeover")
+    doc = report.to_json()
+    assert list(doc) == [
+        "benchmark",
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+        "takeover_timeout_s",
+        "sizes",
+        "command",
+    ]
+    assert list(doc["sizes"][0])[-2:] == ["exit_trials", "unexpected_faults"]
+    size.takeover = Takeover(40.0, 90.0, 1.0, 35, 4, 0, 1100.0, unexpected_faults=2)
+    keys = list(report.to_json()["sizes"][0])
+    assert keys[keys.index("exit_trials") :] == [
+        "exit_trials",
+        "takeover_ms_p50",
+        "takeover_ms_p99",
+        "takeover_timeout_s",
+        "takeover_members",
+        "takeover_votes",
+        "takeover_not_told",
+        "election_ms",
+        "unexpected_faults",
+        "takeover_unexpected_faults",
+    ]
+    assert report.to_json()["sizes"][0]["takeover_unexpected_faults"] == 2
