@@ -48,7 +48,7 @@ def write_report(report: Report, out_dir: str | Path) -> list[Path]:
     fails is logged and named in the Markdown instead of failing the run that produced it.
 
     Args:
-        report: The report dict the benchmark built.
+        report: The report's JSON document (``FaultRunReport.to_json()``, or one read back).
         out_dir: The folder; created with its parents.
 
     Returns:
@@ -85,7 +85,7 @@ def render_markdown(report: Report, *, plots_missing: str | None = None) -> str:
     """The report for people.
 
     Args:
-        report: The report dict.
+        report: The report's JSON document.
         plots_missing: A line saying why the PNGs are absent; ``None`` links them.
 
     Returns:
@@ -190,7 +190,7 @@ def plot_phases(report: Report, path: Path) -> None:
     """One horizontal stacked bar per (mode, fault): its phases, in order, in seconds.
 
     Args:
-        report: The report dict.
+        report: The report's JSON document.
         path: The PNG to write.
     """
     import matplotlib.pyplot as plt
@@ -228,7 +228,7 @@ def plot_timeline(report: Report, path: Path) -> None:
     """Global step against wall time, one step line per mode; faults and downtime marked.
 
     Args:
-        report: The report dict.
+        report: The report's JSON document.
         path: The PNG to write.
     """
     import matplotlib.pyplot as plt
