@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 
 from bench import fault_runs
+from bench.phases import RestartedFault
+from bench.reports import BaselineSummary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,10 +31,12 @@ def run(args: argparse.Namespace) -> int:
     report = fault_runs.new_report("baseline", args, faults)
     with fault_runs.progress(args, runs=1) as progress:
         section = fault_runs.run_restart(args, faults, progress)
-    report["modes"]["restart"] = section
-    report["summary"] = {
-        "downtime_restart_s": fault_runs.downtime(section),
-        "steps_lost": [f.get("steps_lost") for f in section["faults"]],
-        "notes": fault_runs.notes(report),
-    }
+    report.restart = section
+    report.summary = BaselineSummary(
+        downtime_restart_s=fault_runs.downtime(section),
+        steps_lost=[
+            f.steps_lost if isinstance(f, RestartedFault) else None for f in section.faults
+        ],
+        notes=fault_runs.notes(report),
+    )
     return fault_runs.finish(args, report)

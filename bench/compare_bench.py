@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from bench import fault_runs
+from bench.reports import CompareSummary
 
 DEFAULT_FAULT = "kill:rank=1@step=15:phase=backward"
 
@@ -34,18 +35,18 @@ def run(args: argparse.Namespace) -> int:
     report = fault_runs.new_report("compare", args, faults)
     with fault_runs.progress(args, runs=3) as progress:
         checkpointless = fault_runs.run_checkpointless(args, faults, progress)
-        report["modes"]["checkpointless"] = checkpointless
+        report.checkpointless = checkpointless
         restart = fault_runs.run_restart(args, faults, progress)
-        report["modes"]["restart"] = restart
+        report.restart = restart
     ours, theirs = fault_runs.downtime(checkpointless), fault_runs.downtime(restart)
     reduction = None
     if ours is not None and theirs:
         reduction = round(100.0 * (1.0 - ours / theirs), 1)
-    report["summary"] = {
-        "downtime_checkpointless_s": ours,
-        "downtime_restart_s": theirs,
-        "downtime_reduction_pct": reduction,
-        "bitwise_equal": checkpointless["bitwise_equal"],
-        "notes": fault_runs.notes(report),
-    }
+    report.summary = CompareSummary(
+        downtime_checkpointless_s=ours,
+        downtime_restart_s=theirs,
+        downtime_reduction_pct=reduction,
+        bitwise_equal=checkpointless.bitwise_equal,
+        notes=fault_runs.notes(report),
+    )
     return fault_runs.finish(args, report)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import select
 import subprocess
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.fault_runs import BenchFailed
+from bench.reports import ControlPlaneReport, ControlPlaneSize, Takeover
 
 if TYPE_CHECKING:
     from launcher.coordinator import CoordinatorConfig
@@ -111,12 +113,12 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 16384)
     members: dict[str, dict[str, Any]] = {}
-    by_sock: dict[zmq.Socket, dict[str, Any]] = {}
+    by_sock: dict[zmq.Socket[bytes], dict[str, Any]] = {}
     poller = zmq.Poller()
     interval = spec["interval"]
     beats = 0
 
-    def watch(m: dict[str, Any], s: zmq.Socket) -> None:
+    def watch(m: dict[str, Any], s: zmq.Socket[bytes]) -> None:
         s.setsockopt(zmq.LINGER, 0)
         by_sock[s] = m
         poller.register(s, zmq.POLLIN)
@@ -159,7 +161,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
         m["links"].sockets.clear()
         del members[m["id"]]
 
-    def vote(m: dict[str, Any], sock: zmq.Socket, msg: Any) -> None:
+    def vote(m: dict[str, Any], sock: zmq.Socket[bytes], msg: Any) -> None:
         # As launcher.agent.Agent._vote: yes only when this node lost the active one too.
         links = m["links"]
         address = links.address_of(sock)
@@ -182,7 +184,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
     while True:
         now = time.monotonic()
         due = min((m["next"] for m in members.values() if not m["silent"]), default=now + 1)
-        for item, _ in poller.poll(max(0.0, due - now) * 1000):
+        for item, _ in poller.poll(math.ceil(max(0.0, due - now) * 1000)):
             if item == conn.fileno():
                 cmd = conn.recv()
                 if cmd[0] == "stop":
@@ -231,9 +233,10 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                     remove(victim)
                     conn.send(t0)
                 continue
-            m = by_sock.get(item)
-            if m is None:
+            owner = by_sock.get(item)
+            if owner is None:
                 continue  # a member removed while this batch of events was pending
+            m = owner
             links = m["links"]
             received = links.receive(item)
             if received.takeover and m["switched"] is None:
@@ -284,12 +287,12 @@ def _established(port: int) -> int:
 def _takeover(
     args: argparse.Namespace,
     run_dir: str,
-    coord: subprocess.Popen,
-    standby: subprocess.Popen,
+    coord: subprocess.Popen[bytes],
+    standby: subprocess.Popen[bytes],
     conns: list[Any],
-    events: Callable[..., list[dict]],
-    wait: Callable[..., dict],
-) -> dict[str, Any]:
+    events: Callable[..., list[dict[str, Any]]],
+    wait: Callable[..., dict[str, Any]],
+) -> Takeover:
     """SIGKILL the active coordinator; per member, the time until it heartbeat the standby."""
     info = Path(run_dir) / "coordinator-1.json"
     end = time.monotonic() + 60
@@ -355,20 +358,20 @@ def _takeover(
             f"after the takeover {len(elsewhere)} members obey another coordinator than "
             f"{address} and {len(unheard)} agents heard nothing from it"
         )
-    return {
-        "takeover_ms_p50": _pct(switched, 50),
-        "takeover_ms_p99": _pct(switched, 99),
-        "takeover_timeout_s": args.takeover_timeout,
-        "takeover_members": len(switched),
-        "takeover_votes": len(took["votes"]),
+    return Takeover(
+        takeover_ms_p50=_pct(switched, 50),
+        takeover_ms_p99=_pct(switched, 99),
+        takeover_timeout_s=args.takeover_timeout,
+        takeover_members=len(switched),
+        takeover_votes=len(took["votes"]),
         # Members that switched on a later message of the new term: the takeover message
         # itself did not reach them (should be 0).
-        "takeover_not_told": sum(1 for m in now.values() if not m["told"]),
-        "election_ms": (took["t"] - killed_at) * 1e3,
-    }
+        takeover_not_told=sum(1 for m in now.values() if not m["told"]),
+        election_ms=(took["t"] - killed_at) * 1e3,
+    )
 
 
-def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen:
+def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen[bytes]:
     """The real coordinator process, given its configuration as p2p-run gives it."""
     from launcher.config import dump, write_private
     from launcher.coordinator import config_file
@@ -378,7 +381,7 @@ def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "launcher.coordinator", "--config", str(path)])
 
 
-def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
+def _measure_size(n: int, args: argparse.Namespace) -> ControlPlaneSize:
     import multiprocessing
 
     from launcher import protocol
@@ -404,7 +407,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             ),
         )
         coord = _start_coordinator(settings)
-        standby: subprocess.Popen | None = None
+        standby: subprocess.Popen[bytes] | None = None
         procs, conns = [], []
         try:
             info_path = Path(tmp) / "coordinator.json"
@@ -417,7 +420,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
             ctx = multiprocessing.get_context("spawn")
             spares = args.exits + 1
             for w in range(args.workers):
-                members = []
+                members: list[tuple[str, str, int, int | None]] = []
                 for node in range(w, nodes, args.workers):
                     members.append((f"agent/{node}", "agent", node, None))
                     for local in range(RANKS_PER_NODE):
@@ -446,14 +449,14 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
             log = EventTail(tmp)
 
-            def events(name: str, **match: Any) -> list[dict]:
+            def events(name: str, **match: Any) -> list[dict[str, Any]]:
                 return [
                     e
                     for e in log.read()
                     if e["event"] == name and all(e.get(k) == v for k, v in match.items())
                 ]
 
-            def wait(name: str, timeout: float = 120, **match: Any) -> dict:
+            def wait(name: str, timeout: float = 120, **match: Any) -> dict[str, Any]:
                 end = time.monotonic() + timeout
                 while time.monotonic() < end:
                     found = events(name, **match)
@@ -513,7 +516,7 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 last_beat = conns[node % args.workers].recv()
                 fault = wait("fault", timeout=args.heartbeat_timeout * 10, identity=f"rank/{rank}")
                 hang.append(fault["t"] - last_beat)
-            takeover: dict[str, Any] = {}
+            takeover: Takeover | None = None
             if not args.no_takeover:
                 standby = _start_coordinator(
                     replace(
@@ -525,29 +528,29 @@ def _measure_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     )
                 )
                 takeover = _takeover(args, tmp, coord, standby, conns, events, wait)
-            result = {
-                "ranks": n,
-                "coordinator_cpu_share": cpu_share,
-                "heartbeats_per_s": beat_rate,
-                "heartbeats_per_s_configured": (n + nodes) / args.heartbeat_interval,
-                "detect_ms_p50": _pct(detect, 50),
-                "detect_ms_p99": _pct(detect, 99),
-                "generation_ms_p50": _pct(generation, 50),
-                "generation_ms_p99": _pct(generation, 99),
-                "hang_detect_s_p50": _pct(hang, 50),
-                "hang_detect_s_max": max(hang) if hang else float("nan"),
-                "heartbeat_timeout_s": args.heartbeat_timeout,
-                "exit_trials": len(detect),
-                **takeover,
-                # Faults of members the bench did not stop, before the takeover or after it,
-                # decided by either coordinator (should be 0; else the machine was too loaded
-                # for the emulation to keep its heartbeats).
-                "unexpected_faults": len(events("fault")) - args.exits - len(hang),
-            }
-            if takeover:
-                # ... of which the standby decided after it took over (none is expected then)
-                result["takeover_unexpected_faults"] = len(events("fault", source="coordinator/1"))
-            return result
+            # Faults of members the bench did not stop, before the takeover or after it, decided
+            # by either coordinator (should be 0; else the machine was too loaded for the
+            # emulation to keep its heartbeats) ...
+            unexpected = len(events("fault")) - args.exits - len(hang)
+            if takeover is not None:
+                # ... of which the standby decided after it took over (none is expected then).
+                takeover.unexpected_faults = len(events("fault", source="coordinator/1"))
+            return ControlPlaneSize(
+                ranks=n,
+                coordinator_cpu_share=cpu_share,
+                heartbeats_per_s=beat_rate,
+                heartbeats_per_s_configured=(n + nodes) / args.heartbeat_interval,
+                detect_ms_p50=_pct(detect, 50),
+                detect_ms_p99=_pct(detect, 99),
+                generation_ms_p50=_pct(generation, 50),
+                generation_ms_p99=_pct(generation, 99),
+                hang_detect_s_p50=_pct(hang, 50),
+                hang_detect_s_max=max(hang) if hang else float("nan"),
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                exit_trials=len(detect),
+                unexpected_faults=unexpected,
+                takeover=takeover,
+            )
         finally:
             for c in conns:
                 try:
@@ -582,16 +585,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     sizes = [_measure_size(n, args) for n in args.ranks]
-    report = {
-        "benchmark": "control-plane",
-        "heartbeat_interval_s": args.heartbeat_interval,
-        "heartbeat_timeout_s": args.heartbeat_timeout,
-        "takeover_timeout_s": None if args.no_takeover else args.takeover_timeout,
-        "sizes": sizes,
-        "command": "p2p-bench control-plane " + " ".join(sys.argv[2:]),
-    }
+    report = ControlPlaneReport(
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        takeover_timeout_s=None if args.no_takeover else args.takeover_timeout,
+        sizes=sizes,
+        command="p2p-bench control-plane " + " ".join(sys.argv[2:]),
+    )
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report.to_json()))
         return 0
     print(
         f"heartbeat every {args.heartbeat_interval}s, timeout {args.heartbeat_timeout}s"
@@ -608,16 +610,15 @@ def run(args: argparse.Namespace) -> int:
     )
     print("  ".join(f"{h:>22}" for h in header))
     for s in sizes:
+        took = s.takeover
         cells = (
-            f"{s['ranks']}",
-            f"{s['coordinator_cpu_share'] * 100:.1f} %",
-            f"{s['heartbeats_per_s']:.0f} ({s['heartbeats_per_s_configured']:.0f})",
-            f"{s['detect_ms_p50']:.1f} / {s['detect_ms_p99']:.1f}",
-            f"{s['generation_ms_p50']:.1f} / {s['generation_ms_p99']:.1f}",
-            f"{s['hang_detect_s_p50']:.2f}",
-            f"{s['takeover_ms_p50']:.0f} / {s['takeover_ms_p99']:.0f}"
-            if "takeover_ms_p50" in s
-            else "-",
+            f"{s.ranks}",
+            f"{s.coordinator_cpu_share * 100:.1f} %",
+            f"{s.heartbeats_per_s:.0f} ({s.heartbeats_per_s_configured:.0f})",
+            f"{s.detect_ms_p50:.1f} / {s.detect_ms_p99:.1f}",
+            f"{s.generation_ms_p50:.1f} / {s.generation_ms_p99:.1f}",
+            f"{s.hang_detect_s_p50:.2f}",
+            f"{took.takeover_ms_p50:.0f} / {took.takeover_ms_p99:.0f}" if took else "-",
         )
         print("  ".join(f"{c:>22}" for c in cells))
     return 0

@@ -1,6 +1,9 @@
 """What ``p2p-bench inject``, ``baseline``, ``compare`` and ``recover`` share: the job's flags, the
 runs of both modes, and the report they build.
 
+The report is a :class:`bench.reports.FaultRunReport`; its ``to_json()`` is what the benches
+print and write.
+
 Each mode runs the same example job (model, world size, steps, data) with the same fault
 schedule. The checkpointless run is ``examples/train.py`` under p2p-run with the faults injected
 inside the ranks at exact points of a step; the fault-free reference is the same job without
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -21,13 +25,26 @@ import shlex
 import socket
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench import phases
 from bench.baseline import run_baseline
 from bench.faults import COORDINATOR_KINDS, Fault, parse_fault, random_faults
+from bench.reports import (
+    BaselineSummary,
+    CheckpointlessRun,
+    FaultRunReport,
+    JobInfo,
+    Machine,
+    ModeRun,
+    RestartRun,
+)
 from bench.runner import JobOutcome, bitwise_differences, run_example, run_script
+
+if TYPE_CHECKING:
+    from bench.report import LiveProgress
 
 
 class UsageError(ValueError):
@@ -168,8 +185,12 @@ def _work_dir(args: argparse.Namespace) -> Path:
 
 
 def run_checkpointless(
-    args: argparse.Namespace, faults: list[Fault], progress: Any, *, reference: bool = True
-) -> dict[str, Any]:
+    args: argparse.Namespace,
+    faults: list[Fault],
+    progress: LiveProgress,
+    *,
+    reference: bool = True,
+) -> CheckpointlessRun:
     """The engine's run with the faults (and the fault-free reference); its report section."""
     work = _work_dir(args)
     common = {
@@ -202,40 +223,43 @@ def run_checkpointless(
         on_poll=lambda events: _progress_from(progress, events),
         **common,
     )
-    events = outcome.job.events()
-    t0 = outcome.job.started_t
-    section: dict[str, Any] = {
-        "wall_s": outcome.wall_s,
-        "exit_codes": outcome.codes,
-        "spares": spares,
-        "replicas": getattr(args, "replicas", 1),
-        "faults": _relative(
-            _copies_lost(phases.as_json(phases.checkpointless_faults(events)), faults), t0
-        ),
-        "not_fired": phases.not_fired([str(f) for f in faults], events),
-        "timeline": phases.timeline(events, t0),
-        "bitwise_equal": None,
-        "differences": [],
-        "run_dir": str(outcome.job.run_dir),
-    }
+    job = outcome.job
+    assert job is not None  # a run of the job, not a kept reference
+    events = job.events()
+    t0 = job.started_t
+    section = CheckpointlessRun(
+        wall_s=outcome.wall_s,
+        exit_codes=outcome.codes,
+        spares=spares,
+        replicas=getattr(args, "replicas", 1),
+        faults=_relative(_copies_lost(phases.checkpointless_faults(events), faults), t0),
+        not_fired=phases.not_fired([str(f) for f in faults], events),
+        timeline=phases.timeline(events, t0),
+        run_dir=str(job.run_dir),
+    )
     # A node the schedule kills exits with its agent's signal; every other must end cleanly.
     down = killed_nodes(faults)
     if any(code != 0 for n, code in enumerate(outcome.codes) if n not in down):
-        section["error"] = _last_lines(outcome.job.output(0))
+        section.error = _last_lines(job.output(0))
     progress.run_finished(f"checkpointless run: exit codes {outcome.codes}")
     if reference:
         ref = _reference(args, work, run, common, progress)
         problems = bitwise_differences(outcome, ref)
         if ref.codes != [0] * args.nnodes:
-            problems.append(f"the reference run failed: {_last_lines(ref.job.output(0))}")
-        section["bitwise_equal"] = not problems
-        section["differences"] = problems[:20]
-        section["reference_wall_s"] = ref.wall_s
+            output = ref.job.output(0) if ref.job is not None else ""
+            problems.append(f"the reference run failed: {_last_lines(output)}")
+        section.bitwise_equal = not problems
+        section.differences = problems[:20]
+        section.reference_wall_s = ref.wall_s
     return section
 
 
 def _reference(
-    args: argparse.Namespace, work: Path, run: Any, common: dict[str, Any], progress: Any
+    args: argparse.Namespace,
+    work: Path,
+    run: Callable[..., JobOutcome],
+    common: dict[str, Any],
+    progress: LiveProgress,
 ) -> JobOutcome:
     """The fault-free run of the job: from ``--reference-cache`` when it holds one, else run."""
     cache = getattr(args, "reference_cache", None)
@@ -280,7 +304,9 @@ def _job_key(args: argparse.Namespace) -> str:
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) -> dict[str, Any]:
+def run_restart(
+    args: argparse.Namespace, faults: list[Fault], progress: LiveProgress
+) -> RestartRun:
     """The checkpoint-restart baseline with the same faults; its report section."""
     work = _work_dir(args)
     progress.run_started("checkpoint-restart", args.steps)
@@ -298,45 +324,45 @@ def run_restart(args: argparse.Namespace, faults: list[Fault], progress: Any) ->
         on_poll=lambda marks: _progress_from(progress, marks),
     )
     progress.run_finished(f"checkpoint-restart run: exit code {run.code}")
-    section = {
-        "wall_s": run.wall_s,
-        "exit_codes": [run.code],
-        "faults": _relative(
-            phases.as_json(phases.restart_faults(run.marks, run.kills)), run.started_t
-        ),
-        "timeline": phases.timeline([m for m in run.marks if m.get("rank") == 0], run.started_t),
-        "bitwise_equal": None,
-        "checkpoint_every": args.checkpoint_every,
-    }
+    section = RestartRun(
+        wall_s=run.wall_s,
+        exit_codes=[run.code],
+        faults=_relative(list(phases.restart_faults(run.marks, run.kills)), run.started_t),
+        timeline=phases.timeline([m for m in run.marks if m.get("rank") == 0], run.started_t),
+        checkpoint_every=args.checkpoint_every,
+    )
     if run.code != 0:
-        section["error"] = _last_lines(run.output)
+        section.error = _last_lines(run.output)
     return section
 
 
-def _copies_lost(measured: list[dict[str, Any]], faults: list[Fault]) -> list[dict[str, Any]]:
+def _copies_lost(measured: list[phases.FaultRow], faults: list[Fault]) -> list[phases.FaultRow]:
     """Mark the faults after which some shard had no copy left (the recovery did not restore
     from peers): by design (``kill-buddies``) or by faults close enough together."""
     kinds = {str(f): f.kind for f in faults}
     for f in measured:
-        source = f.get("restored_from")
+        if not isinstance(f, phases.RecoveredFault):
+            continue
+        source = f.restored_from
         if source is None or source == "peers":
             continue
-        by_design = kinds.get(f["spec"]) == "kill-buddies"
-        f["every_copy_lost"] = (
+        by_design = kinds.get(f.spec) == "kill-buddies"
+        f.every_copy_lost = (
             "by design" if by_design else "a rank and its holders were lost before a new copy"
         )
     return measured
 
 
-def _progress_from(progress: Any, events: list[dict[str, Any]]) -> None:
+def _progress_from(progress: LiveProgress, events: list[dict[str, Any]]) -> None:
     steps = [e["step"] for e in events if e.get("event") == "step_done"]
     recovering = any(e.get("event") == "fault_injected" for e in events[-20:])
     progress.update(max(steps, default=0), "recovering" if recovering else "")
 
 
-def _relative(faults: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+def _relative(faults: list[phases.FaultRow], t0: float) -> list[phases.FaultRow]:
+    """The rows with ``t_fault`` in seconds since ``t0`` (the run's start)."""
     for f in faults:
-        f["t_fault"] = f["t_fault"] - t0
+        f.t_fault = f.t_fault - t0
     return faults
 
 
@@ -344,64 +370,65 @@ def _last_lines(text: str, n: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
-def downtime(section: dict[str, Any]) -> float | None:
+def downtime(section: ModeRun) -> float | None:
     """Total downtime over a mode's faults (None if a fault has no measurement)."""
-    return phases.merged_downtime(section.get("faults", []))
+    return phases.merged_downtime(section.faults)
 
 
-def machine_info() -> dict[str, Any]:
+def machine() -> Machine:
     """What the figures were measured on."""
     import torch
 
-    return {
-        "hostname": socket.gethostname(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    return Machine(
+        hostname=socket.gethostname(),
+        cpus=os.cpu_count(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    )
 
 
-def job_info(args: argparse.Namespace) -> dict[str, Any]:
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on, as the reports write it."""
+    return machine().to_json()
+
+
+def job_info(args: argparse.Namespace) -> JobInfo:
     """The job both modes ran."""
     from bench.models import PRESETS
 
     world = args.nnodes * args.nproc_per_node
-    shape = {
-        "nnodes": args.nnodes,
-        "nproc_per_node": args.nproc_per_node,
-        "world_size": world,
-        "steps": args.steps,
-        "checkpoint_every": args.checkpoint_every,
-        "replicas": getattr(args, "replicas", 1),
-    }
+    shape = JobInfo(
+        model=args.model,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        world_size=world,
+        steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        replicas=getattr(args, "replicas", 1),
+    )
     if getattr(args, "script", None):
         script = shlex.join([args.script, *args.script_args])
-        return {"script": script, "model": Path(args.script).name, **shape}
+        return dataclasses.replace(shape, script=script, model=Path(args.script).name)
     cfg = PRESETS[args.model]
     # Parameters and AdamW's two moments, fp32, split over the ranks.
     state_mib = cfg.num_params * 4 * 3 / world / 2**20
-    return {
-        "model": args.model,
-        "num_params": cfg.num_params,
-        "state_mib_per_rank": round(state_mib, 1),
-        **shape,
-    }
+    return dataclasses.replace(
+        shape, num_params=cfg.num_params, state_mib_per_rank=round(state_mib, 1)
+    )
 
 
-def new_report(kind: str, args: argparse.Namespace, faults: list[Fault]) -> dict[str, Any]:
+def new_report(kind: str, args: argparse.Namespace, faults: list[Fault]) -> FaultRunReport:
     """The report's frame; the modes and the summary are filled in by the command."""
-    return {
-        "kind": kind,
-        "command": shlex.join(["p2p-bench", *sys.argv[1:]]) if sys.argv else "p2p-bench",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "job": job_info(args),
-        "faults": [str(f) for f in faults],
-        "modes": {},
-        "summary": {},
-    }
+    return FaultRunReport(
+        kind=kind,
+        command=shlex.join(["p2p-bench", *sys.argv[1:]]) if sys.argv else "p2p-bench",
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=machine(),
+        job=job_info(args),
+        faults=[str(f) for f in faults],
+    )
 
 
 def out_dir(args: argparse.Namespace, kind: str) -> Path:
@@ -413,7 +440,7 @@ def out_dir(args: argparse.Namespace, kind: str) -> Path:
 
 
 @contextlib.contextmanager
-def progress(args: argparse.Namespace, runs: int):
+def progress(args: argparse.Namespace, runs: int) -> Iterator[LiveProgress]:
     """The live progress display of the runs (nothing with ``--quiet`` or ``--json``)."""
     from bench.report import LiveProgress
 
@@ -421,62 +448,63 @@ def progress(args: argparse.Namespace, runs: int):
         yield live
 
 
-def notes(report: dict[str, Any]) -> list[str]:
+def notes(report: FaultRunReport) -> list[str]:
     """What a reader must know to trust the figures."""
+    gpu = report.machine.gpu
     out = [
         "Phases are cut on one monotonic clock and add up to each fault's downtime: from the "
         "fault until training is back at the step it had reached.",
-        f"Measured on {report['machine']['cpus']} CPU cores"
-        + (f" and {report['machine']['gpu']}" if report["machine"].get("gpu") else ", no GPU")
+        f"Measured on {report.machine.cpus} CPU cores"
+        + (f" and {gpu}" if gpu else ", no GPU")
         + " (gloo over loopback); ranks of emulated nodes share the cores.",
     ]
-    restart = report["modes"].get("restart")
-    if restart is not None:
-        every = report["job"]["checkpoint_every"]
+    if report.restart is not None:
+        every = report.job.checkpoint_every
         out.append(
             f"Checkpoint-restart saves a DCP checkpoint every {every} steps (what a user of a "
             "multi-hour run picks: ~30-60 min of training between checkpoints at this step time "
             "scale), so a fault loses on average half an interval of steps."
         )
-    for name, section in report["modes"].items():
-        if section.get("error"):
-            out.append(f"The {name} run failed: {section['error'].splitlines()[-1]}")
-        for spec in section.get("not_fired", []):
+    for name, section in report.modes.items():
+        if section.error:
+            out.append(f"The {name} run failed: {section.error.splitlines()[-1]}")
+        for spec in section.not_fired:
             out.append(f"{name}: {spec} never fired: the run did not test it")
-        for fault in section.get("faults", []):
-            if fault.get("every_copy_lost"):
+        for fault in section.faults:
+            if isinstance(fault, phases.RecoveredFault) and fault.every_copy_lost:
                 out.append(
-                    f"{name}: {fault['spec']} lost every copy of a shard "
-                    f"({fault['every_copy_lost']}); restored step {fault['step_restored']} "
-                    f"from {fault['restored_from']}"
+                    f"{name}: {fault.spec} lost every copy of a shard "
+                    f"({fault.every_copy_lost}); restored step {fault.step_restored} "
+                    f"from {fault.restored_from}"
                 )
-            if fault.get("silent"):
-                out.append(f"{fault['spec']} corrupts silently: only the bitwise check sees it.")
-            elif fault.get("error"):
-                out.append(f"{name}: {fault['spec']}: {fault['error']}")
+            if isinstance(fault, phases.SilentFault):
+                out.append(f"{fault.spec} corrupts silently: only the bitwise check sees it.")
+            elif isinstance(fault, phases.UnmeasuredFault) and fault.error:
+                out.append(f"{name}: {fault.spec}: {fault.error}")
     return out
 
 
-def print_table(report: dict[str, Any]) -> None:
+def print_table(report: FaultRunReport) -> None:
     """The short table for people."""
     print(
-        f"p2p-bench {report['kind']}: {report['job']['model']} model, "
-        f"{report['job']['world_size']} ranks, {report['job']['steps']} steps"
+        f"p2p-bench {report.kind}: {report.job.model} model, "
+        f"{report.job.world_size} ranks, {report.job.steps} steps"
     )
-    for name, section in report["modes"].items():
+    for name, section in report.modes.items():
         label = "checkpointless" if name == "checkpointless" else "checkpoint-restart"
-        for spec in section.get("not_fired", []):
+        for spec in section.not_fired:
             print(f"  {label:18s} {spec}: never fired")
-        for fault in section.get("faults", []):
-            if "phases" not in fault:
-                print(f"  {label:18s} {fault['spec']}: {fault.get('error') or 'silent'}")
+        for fault in section.faults:
+            if not isinstance(fault, (phases.RecoveredFault, phases.RestartedFault)):
+                error = fault.error if isinstance(fault, phases.UnmeasuredFault) else None
+                print(f"  {label:18s} {fault.spec}: {error or 'silent'}")
                 continue
-            phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in fault["phases"].items())
+            cut = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in fault.phases.items())
             print(
-                f"  {label:18s} {fault['spec']}: downtime {fault['downtime_s']:.2f} s, "
-                f"steps lost {fault.get('steps_lost')} ({phases} ms)"
+                f"  {label:18s} {fault.spec}: downtime {fault.downtime_s:.2f} s, "
+                f"steps lost {fault.steps_lost} ({cut} ms)"
             )
-    summary = report["summary"]
+    summary = {} if report.summary is None else dataclasses.asdict(report.summary)
     for key in (
         "downtime_checkpointless_s",
         "downtime_restart_s",
@@ -489,24 +517,25 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"  {key}: {round(value, 3) if isinstance(value, float) else value}")
 
 
-def finish(args: argparse.Namespace, report: dict[str, Any]) -> int:
+def finish(args: argparse.Namespace, report: FaultRunReport) -> int:
     """Write the report folder, print the table or the JSON; 1 if a run or the check failed."""
     from bench.report import write_report
 
-    if "checkpointless" in report["modes"]:
-        report["job"]["spares"] = report["modes"]["checkpointless"].get("spares")
-    folder = out_dir(args, report["kind"])
-    paths = write_report(report, folder)
-    report["report_dir"] = str(folder)
+    folder = out_dir(args, report.kind)
+    doc = report.to_json()
+    paths = write_report(doc, folder)
     if args.json:
         print(
             json.dumps(
-                {**report["summary"], "report_dir": str(folder), "modes": report["modes"]},
+                {**doc["summary"], "report_dir": str(folder), "modes": doc["modes"]},
                 default=str,
             )
         )
     else:
         print_table(report)
         print(f"  report: {paths[1] if len(paths) > 1 else folder}")
-    failed = any(s.get("error") or s.get("not_fired") for s in report["modes"].values())
-    return 1 if failed or report["summary"].get("bitwise_equal") is False else 0
+    failed = any(s.error or s.not_fired for s in report.modes.values())
+    summary = report.summary
+    if summary is not None and not isinstance(summary, BaselineSummary):
+        failed = failed or summary.bitwise_equal is False
+    return 1 if failed else 0

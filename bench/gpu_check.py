@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +109,13 @@ def _unit_tests() -> dict[str, Any]:
     return {"passed": proc.returncode == 0, "summary": last}
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn`` on the GPU (CUDA events), after one warm-up call."""
     fn()
-    times = []
+    times: list[float] = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         fn()
         end.record()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.models import build_model, lm_loss, shard, synthetic_batch
+from bench.models import TinyLM, build_model, lm_loss, shard, synthetic_batch
 from p2p_state.config import ReplicationConfig
 from p2p_state.memory import MemoryKind, allocate
 from p2p_state.placement import Placement
@@ -56,30 +56,26 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
         yield
         return
     if device.type == "cuda":
-        dist.init_process_group(
-            "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device
-        )
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
 
 
-def _build(
-    device: torch.device, variant: str, preset: str
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(device: torch.device, variant: str, preset: str) -> tuple[TinyLM, torch.optim.Optimizer]:
     model = shard(build_model(preset, seed=0).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **ADAMW_VARIANTS[variant])
     return model, opt
 
 
-def _train(
-    model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, device: torch.device
-) -> None:
+def _train(model: TinyLM, opt: torch.optim.Optimizer, step: int, device: torch.device) -> None:
     tokens = synthetic_batch(model.cfg, step=step, rank=0, batch_size=4).to(device)
-    lm_loss(model, tokens).backward()
+    lm_loss(model, tokens).backward()  # type: ignore[no-untyped-call]
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -93,11 +89,11 @@ def _capture(state: TrainingState, device: torch.device, step: int) -> torch.Ten
         state.capture(buffer, step, {})
         return buffer
     staging = HostStaging(device, state.staging_bytes())
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         state.capture(buffer, step, {}, staging)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         copied.record(side)
     torch.cuda.current_stream(device).wait_event(copied)
     return buffer
@@ -188,10 +184,13 @@ class _Norm(torch.nn.Module):
         self.bn = torch.nn.BatchNorm1d(width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x))
+        out: torch.Tensor = self.bn(self.lin(x))
+        return out
 
 
-def stream_race(device: torch.device, width: int = 4096, hold_cycles: int = 200_000_000):
+def stream_race(
+    device: torch.device, width: int = 4096, hold_cycles: int = 200_000_000
+) -> dict[str, Any]:
     """Hold the side stream back before a snapshot, then run a forward at once.
 
     Returns:
@@ -218,9 +217,11 @@ def stream_race(device: torch.device, width: int = 4096, hold_cycles: int = 200_
                 if not fenced and rep._forward_fence_handle is not None:
                     rep._forward_fence_handle.remove()
                     rep._forward_fence_handle = None
-                before = model.bn.running_mean.clone()
+                running_mean = model.bn.running_mean
+                assert running_mean is not None  # BatchNorm1d tracks running stats by default
+                before = running_mean.clone()
                 with torch.cuda.stream(rep._stream):
-                    torch.cuda._sleep(hold_cycles)  # the copy starts late
+                    torch.cuda._sleep(hold_cycles)  # type: ignore[no-untyped-call]  # the copy starts late
                 rep.replicate(step)
                 with torch.no_grad():
                     model(x)  # updates running_mean
@@ -248,7 +249,7 @@ def rebuild_peak(device: torch.device, preset: str = "example") -> dict[str, Any
         raise ValueError("the rebuild peak check needs a CUDA device")
     from recovery.faults import without_frames
 
-    def failing_step(model: torch.nn.Module, step: int) -> None:
+    def failing_step(model: TinyLM, step: int) -> None:
         tokens = synthetic_batch(model.cfg, step=step, rank=0, batch_size=8).to(device)
         loss = lm_loss(model, tokens)
         raise RuntimeError(f"injected fault after the forward (loss {loss.shape})")

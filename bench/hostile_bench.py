@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import resource
 import tempfile
 import time
+from collections.abc import Callable
+from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import zmq
 
 from bench.fault_runs import BenchFailed
+from bench.reports import HostileReport
 from launcher import protocol
 
 _JOB = "p2p-job"
@@ -53,7 +58,13 @@ def _vm_hwm_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _coordinator(run_dir: str, secret_file: str, port_q, result_q, stop_evt) -> None:
+def _coordinator(
+    run_dir: str,
+    secret_file: str,
+    port_q: mp.Queue[int],
+    result_q: mp.Queue[dict[str, Any]],
+    stop_evt: Event,
+) -> None:
     from launcher.coordinator import Coordinator, CoordinatorConfig
     from launcher.membership import MembershipConfig
 
@@ -84,8 +95,8 @@ def _coordinator(run_dir: str, secret_file: str, port_q, result_q, stop_evt) -> 
         c.close()
 
 
-def _dealer(ctx: zmq.Context, routing: str, port: int) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
+def _dealer(ctx: zmq.Context[Any], routing: str, port: int) -> zmq.Socket[bytes]:
+    s: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.IDENTITY, routing.encode())
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
@@ -93,7 +104,7 @@ def _dealer(ctx: zmq.Context, routing: str, port: int) -> zmq.Socket:
     return s
 
 
-def _signed(secret: bytes, doc: dict) -> list[bytes]:
+def _signed(secret: bytes, doc: dict[str, Any]) -> list[bytes]:
     import hashlib
     import hmac
 
@@ -101,17 +112,19 @@ def _signed(secret: bytes, doc: dict) -> list[bytes]:
     return [hmac.new(secret, payload, hashlib.sha256).digest(), payload]
 
 
-def _join(sock: zmq.Socket, codec: protocol.Codec, timeout_s: float = 60.0) -> bool:
+def _join(sock: zmq.Socket[bytes], codec: protocol.Codec, timeout_s: float = 60.0) -> bool:
     """Read ``sock`` until the coordinator welcomes ``codec``'s hello (its challenge is answered
     on the way: the codec learns the run nonce and says hello again)."""
     deadline = time.monotonic() + timeout_s
     while (left_s := deadline - time.monotonic()) > 0:
-        if sock.poll(left_s * 1000) and any(m.type == protocol.WELCOME for m in codec.drain(sock)):
+        if sock.poll(math.ceil(left_s * 1000)) and any(
+            m.type == protocol.WELCOME for m in codec.drain(sock)
+        ):
             return True
     return False
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace) -> HostileReport:
     """Run the attack and return the figures."""
     tmp = tempfile.mkdtemp(prefix="p2p-hostile-")
     secret_file = os.path.join(tmp, "secret")
@@ -145,7 +158,11 @@ def measure(args: argparse.Namespace) -> dict:
     no_key.run = agent.run
     wrong = os.urandom(32)
     big = b"\0" * (args.oversized_mb << 20)
-    kinds = {
+    replayed: list[tuple[str, dict[str, Any]]] = [
+        (protocol.HELLO, {"role": "rank", "node": 0, "pid": 1, "rank": 0}),
+        (protocol.SCALE, {"size": 1}),
+    ]
+    kinds: dict[str, Callable[[int], list[bytes]]] = {
         "random frames": lambda i: [os.urandom(32), os.urandom(i % 300)],
         "wrong secret": lambda i: _signed(wrong, {"v": 2, "type": "scale", "body": {"size": 1}}),
         "list or map type": lambda i: _signed(
@@ -156,12 +173,7 @@ def measure(args: argparse.Namespace) -> dict:
             secret,
             {"v": 2, "job": _JOB, "type": "hello", "sender": "rank/0/0", "gen": "0", "seq": i},
         ),
-        "a previous run's hello and scale": lambda i: other_run.encode(
-            *[
-                (protocol.HELLO, {"role": "rank", "node": 0, "pid": 1, "rank": 0}),
-                (protocol.SCALE, {"size": 1}),
-            ][i % 2]
-        ),
+        "a previous run's hello and scale": lambda i: other_run.encode(*replayed[i % 2]),
     }
     for kind, make in kinds.items():
         for i in range(args.per_kind):
@@ -216,23 +228,23 @@ def measure(args: argparse.Namespace) -> dict:
     lost = [
         e for e in events if e.get("identity") in ("agent/0", "agent/1") and "lost" in e["event"]
     ]
-    return {
-        "tried_by_kind": tried,
-        "tried_total": sum(tried.values()),
-        "crashes": 0 if child.exitcode == 0 and result["exit_code"] is None else 1,
-        "state_changes_from_unauthenticated": len(set(result["procs"]) - {"agent/0", "agent/1"}),
-        "resizes_without_operator_key": int(result["requested_size"] is not None),
-        "members": result["procs"],
-        "dropped": result["dropped"],
-        "peak_coordinator_rss_mb": round(result["peak_rss_mb"], 1),
-        "flood_sockets": args.flood_sockets,
-        "flood_s": round(flood_s, 2),
-        "legit_lost_events": len(lost),
-        "squatted_identity_answered": real_answered,
-        "squatter_messages_received": squatter_received,
-        "refused_connections": result["refused_connections"],
-        "over_quota": result["over_quota"],
-    }
+    return HostileReport(
+        tried_by_kind=tried,
+        tried_total=sum(tried.values()),
+        crashes=0 if child.exitcode == 0 and result["exit_code"] is None else 1,
+        state_changes_from_unauthenticated=len(set(result["procs"]) - {"agent/0", "agent/1"}),
+        resizes_without_operator_key=int(result["requested_size"] is not None),
+        members=result["procs"],
+        dropped=result["dropped"],
+        peak_coordinator_rss_mb=round(result["peak_rss_mb"], 1),
+        flood_sockets=args.flood_sockets,
+        flood_s=round(flood_s, 2),
+        legit_lost_events=len(lost),
+        squatted_identity_answered=real_answered,
+        squatter_messages_received=squatter_received,
+        refused_connections=result["refused_connections"],
+        over_quota=result["over_quota"],
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -242,27 +254,21 @@ def run(args: argparse.Namespace) -> int:
         [
             "| kind | messages tried |",
             "|---|---:|",
-            *(f"| {k} | {v:,} |" for k, v in r["tried_by_kind"].items()),
+            *(f"| {k} | {v:,} |" for k, v in r.tried_by_kind.items()),
             "",
-            f"crashes: {r['crashes']}; state changes from unauthenticated input: "
-            f"{r['state_changes_from_unauthenticated']}; peak coordinator RSS under a "
-            f"{r['flood_sockets']}-socket flood: {r['peak_coordinator_rss_mb']} MB; legitimate "
-            f"agent taken for lost: {r['legit_lost_events']}; squatted identity's owner "
-            f"answered: {r['squatted_identity_answered']}; messages the squatter received: "
-            f"{r['squatter_messages_received']}; resizes without the operator key: "
-            f"{r['resizes_without_operator_key']}",
+            f"crashes: {r.crashes}; state changes from unauthenticated input: "
+            f"{r.state_changes_from_unauthenticated}; peak coordinator RSS under a "
+            f"{r.flood_sockets}-socket flood: {r.peak_coordinator_rss_mb} MB; legitimate "
+            f"agent taken for lost: {r.legit_lost_events}; squatted identity's owner "
+            f"answered: {r.squatted_identity_answered}; messages the squatter received: "
+            f"{r.squatter_messages_received}; resizes without the operator key: "
+            f"{r.resizes_without_operator_key}",
         ]
     )
     if args.out_dir:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(r, indent=1))
+        (out / "report.json").write_text(json.dumps(r.to_json(), indent=1))
         (out / "report.md").write_text(md + "\n")
-    print(json.dumps(r) if args.json else md)
-    ok = (
-        r["crashes"] == 0
-        and r["state_changes_from_unauthenticated"] == 0
-        and r["resizes_without_operator_key"] == 0
-        and r["squatter_messages_received"] == 0
-    )
-    return 0 if ok else 1
+    print(json.dumps(r.to_json()) if args.json else md)
+    return 0 if r.passed else 1

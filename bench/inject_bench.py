@@ -23,6 +23,7 @@ import argparse
 from pathlib import Path
 
 from bench import fault_runs
+from bench.reports import InjectSummary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
         section = fault_runs.run_checkpointless(
             args, faults, progress, reference=not args.no_reference
         )
-    report["modes"]["checkpointless"] = section
-    report["summary"] = {
-        "downtime_checkpointless_s": fault_runs.downtime(section),
-        "bitwise_equal": section["bitwise_equal"],
-        "notes": fault_runs.notes(report),
-    }
+    report.checkpointless = section
+    report.summary = InjectSummary(
+        downtime_checkpointless_s=fault_runs.downtime(section),
+        bitwise_equal=section.bitwise_equal,
+        notes=fault_runs.notes(report),
+    )
     return fault_runs.finish(args, report)

@@ -69,7 +69,8 @@ class Block(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         x = x + self.dropout(self.proj(att.transpose(1, 2).reshape(b, t, d)))
-        return x + self.dropout(self.down(F.gelu(self.up(self.norm2(x)))))
+        out: torch.Tensor = x + self.dropout(self.down(F.gelu(self.up(self.norm2(x)))))
+        return out
 
 
 class TinyLM(nn.Module):
@@ -89,7 +90,8 @@ class TinyLM(nn.Module):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy over a batch of token sequences."""

@@ -49,6 +49,9 @@ class RecoveredFault:
     recovery_s: float | None
     """From the fault to the last rank's first step after it (``None``: none reported)."""
     bytes_received: int
+    every_copy_lost: str | None = None
+    """Why some shard had no copy left, when the recovery did not restore from peers (``None``:
+    it did, or the run did not say; left out of the JSON then)."""
 
 
 @dataclass(slots=True)
@@ -101,9 +104,36 @@ FaultRow = RecoveredFault | RestartedFault | CoordinatorFault | SilentFault | Un
 """One fault's row of a report (its JSON form: :func:`as_json`)."""
 
 
+_LEFT_OUT_WHEN_NONE = frozenset({"every_copy_lost"})
+
+
 def as_json(rows: Sequence[FaultRow]) -> list[dict[str, Any]]:
-    """The rows as the report's JSON holds them (a field per key, in field order)."""
-    return [dataclasses.asdict(row) for row in rows]
+    """The rows as the report's JSON holds them (a field per key, in field order; an unset
+    ``every_copy_lost`` is left out)."""
+    return [
+        {
+            k: v
+            for k, v in dataclasses.asdict(row).items()
+            if v is not None or k not in _LEFT_OUT_WHEN_NONE
+        }
+        for row in rows
+    ]
+
+
+def row_from_json(doc: dict[str, Any]) -> FaultRow:
+    """A row read back from :func:`as_json`'s form (its keys say which kind it is)."""
+    kind: type[FaultRow]
+    if "silent" in doc:
+        kind = SilentFault
+    elif "error" in doc:
+        kind = UnmeasuredFault
+    elif "takeover_s" in doc:
+        kind = CoordinatorFault
+    elif "generation" in doc:
+        kind = RecoveredFault
+    else:
+        kind = RestartedFault
+    return kind(**doc)
 
 
 def _first(events: Sequence[Event], name: str, after: float, **match: Any) -> Event | None:
@@ -206,16 +236,21 @@ def not_fired(scheduled: Sequence[str], events: Sequence[Event]) -> list[str]:
     return [spec for spec in scheduled if spec not in fired]
 
 
-def merged_downtime(faults: Sequence[dict[str, Any]]) -> float | None:
-    """Seconds of downtime over all ``faults`` (``t_fault`` and ``downtime_s`` each), counting
-    time once where the downtimes of faults overlap (a fault during another's recovery).
+def merged_downtime(faults: Sequence[FaultRow]) -> float | None:
+    """Seconds of downtime over all ``faults``, counting time once where the downtimes of
+    faults overlap (a fault during another's recovery).
 
     Silent faults have no downtime; ``None`` if a fault has no measurement (or there is none).
     """
-    spans = [f for f in faults if not f.get("silent")]
-    if not spans or any(f.get("downtime_s") is None for f in spans):
+    spans = [f for f in faults if not isinstance(f, SilentFault)]
+    intervals: list[tuple[float, float]] = []
+    for f in spans:
+        if isinstance(f, UnmeasuredFault):
+            return None
+        intervals.append((f.t_fault, f.t_fault + f.downtime_s))
+    if not intervals:
         return None
-    intervals = sorted((f["t_fault"], f["t_fault"] + f["downtime_s"]) for f in spans)
+    intervals.sort()
     total, start, end = 0.0, *intervals[0]
     for a, b in intervals[1:]:
         if a > end:

@@ -35,6 +35,7 @@ def attach(job: Any) -> None:
     faults = from_env()
     if faults:
         session = recovery.api.current_session()
+        assert session is not None  # the job calls its hooks inside its session
         Injector(faults, os.environ.get(ENV_RUN_DIR, "."), session.event).arm(job)
     out = os.environ.get(ENV_PROBE_DIR)
     if out:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 
 from bench import fault_runs
+from bench.phases import RecoveredFault
+from bench.reports import RecoverSummary
 
 DEFAULT_FAULT = "kill:rank=1@step=6:phase=backward"
 
@@ -29,15 +31,15 @@ def run(args: argparse.Namespace) -> int:
     report = fault_runs.new_report("inject", args, faults)
     with fault_runs.progress(args, runs=2) as progress:
         section = fault_runs.run_checkpointless(args, faults, progress)
-    report["modes"]["checkpointless"] = section
-    measured = [f for f in section["faults"] if "phases" in f]
-    first = measured[0] if measured else {}
-    report["summary"] = {
-        "phases_ms": {k: round(v * 1e3, 1) for k, v in first.get("phases", {}).items()},
-        "recovery_s": first.get("recovery_s"),
-        "downtime_checkpointless_s": first.get("downtime_s"),
-        "bytes_received": first.get("bytes_received"),
-        "bitwise_equal": section["bitwise_equal"],
-        "notes": fault_runs.notes(report),
-    }
+    report.checkpointless = section
+    measured = [f for f in section.faults if isinstance(f, RecoveredFault)]
+    first = measured[0] if measured else None
+    report.summary = RecoverSummary(
+        phases_ms={k: round(v * 1e3, 1) for k, v in first.phases.items()} if first else {},
+        recovery_s=first.recovery_s if first else None,
+        downtime_checkpointless_s=first.downtime_s if first else None,
+        bytes_received=first.bytes_received if first else None,
+        bitwise_equal=section.bitwise_equal,
+        notes=fault_runs.notes(report),
+    )
     return fault_runs.finish(args, report)

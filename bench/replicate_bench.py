@@ -61,7 +61,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
         nonlocal step_no
         step_no += 1
         tokens = synthetic_batch(cfg, step=step_no, rank=rank, batch_size=params["batch_size"])
-        lm_loss(model, tokens).backward()
+        lm_loss(model, tokens).backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -107,6 +107,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
             dist.irecv(recv_buf, owner, group=rep.group),
         ]
         for w in works:
+            assert w is not None  # None only inside a coalescing manager
             w.wait()
         raw_gbps.append(send_buf.numel() / (time.perf_counter() - t0) / 1e9)
 
@@ -115,6 +116,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         slot = rep.own.writable()
+        assert slot.buffer is not None  # the replicator allocates its own slots
         nbytes = state.layout.tensor_bytes
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         dst = torch.empty_like(src)

@@ -1,8 +1,9 @@
 """The report folder of the failure-injection benchmarks (``inject``, ``baseline``, ``compare``).
 
-The benchmarks build one plain dict (see ``fault_runs.new_report``); this module turns it into
-``report.json``, ``report.md``, ``phases.png`` and ``timeline.png``, and shows the live progress
-of the runs. Any field may be missing after a partial run, so every read is defensive and a
+The benchmarks build a :class:`bench.reports.FaultRunReport`; this module turns its JSON document
+(``to_json()``) into ``report.json``, ``report.md``, ``phases.png`` and ``timeline.png``, and
+shows the live progress of the runs. It renders any such document, one read back or cut short
+included: any field may be missing after a partial run, so every read is defensive and a
 missing figure reads "n/a". matplotlib and rich are optional (``pip install -e '.[bench]'``).
 """
 
@@ -12,7 +13,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeGuard
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def write_report(report: Report, out_dir: str | Path) -> list[Path]:
     fails is logged and named in the Markdown instead of failing the run that produced it.
 
     Args:
-        report: The report dict the benchmark built.
+        report: The report's JSON document (``FaultRunReport.to_json()``, or one read back).
         out_dir: The folder; created with its parents.
 
     Returns:
@@ -84,7 +85,7 @@ def render_markdown(report: Report, *, plots_missing: str | None = None) -> str:
     """The report for people.
 
     Args:
-        report: The report dict.
+        report: The report's JSON document.
         plots_missing: A line saying why the PNGs are absent; ``None`` links them.
 
     Returns:
@@ -93,8 +94,9 @@ def render_markdown(report: Report, *, plots_missing: str | None = None) -> str:
     job, machine = _section(report, "job"), _section(report, "machine")
     summary, modes = _section(report, "summary"), _section(report, "modes")
     kind = report.get("kind")
+    title = _TITLES.get(kind, "p2p-bench report") if isinstance(kind, str) else "p2p-bench report"
     out = [
-        f"# {_TITLES.get(kind, 'p2p-bench report')}",
+        f"# {title}",
         "",
         f"Created {report.get('created', NA)}.",
     ]
@@ -161,7 +163,8 @@ def _mode_markdown(mode: str, section: dict[str, Any]) -> list[str]:
             continue
         if fault.get("error"):
             out += ["", f"Not measured: {fault['error']}."]
-        phases = fault.get("phases") if isinstance(fault.get("phases"), dict) else {}
+        phases = fault.get("phases")
+        phases = phases if isinstance(phases, dict) else {}
         rows = [(phase, _fmt(seconds, ".3f")) for phase, seconds in phases.items()]
         rows += [
             ("**downtime**", f"**{_fmt(fault.get('downtime_s'), '.3f')}**"),
@@ -187,7 +190,7 @@ def plot_phases(report: Report, path: Path) -> None:
     """One horizontal stacked bar per (mode, fault): its phases, in order, in seconds.
 
     Args:
-        report: The report dict.
+        report: The report's JSON document.
         path: The PNG to write.
     """
     import matplotlib.pyplot as plt
@@ -225,7 +228,7 @@ def plot_timeline(report: Report, path: Path) -> None:
     """Global step against wall time, one step line per mode; faults and downtime marked.
 
     Args:
-        report: The report dict.
+        report: The report's JSON document.
         path: The PNG to write.
     """
     import matplotlib.pyplot as plt
@@ -286,7 +289,9 @@ def _phase_colours(bars: list[tuple[str, dict[str, float], float]]) -> dict[str,
     """One colour per phase name, in order of first appearance, the same in every bar."""
     import matplotlib
 
-    palette = [c for name in _PALETTE for c in matplotlib.colormaps[name].colors]
+    # tab10 and Dark2 are lists of colours: entry i of each, as RGBA.
+    maps = [matplotlib.colormaps[name] for name in _PALETTE]
+    palette = [colormap(i) for colormap in maps for i in range(colormap.N)]
     names = list(dict.fromkeys(phase for _, phases, _ in bars for phase in phases))
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
 
@@ -301,7 +306,7 @@ def _section(report: Report, key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

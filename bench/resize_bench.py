@@ -35,6 +35,7 @@ from typing import Any
 
 from bench.baseline import run_baseline
 from bench.fault_runs import BenchFailed, UsageError
+from bench.reports import DcpResize, InPlaceResize, InPlaceRun, ResizeReport
 from bench.runner import EXAMPLE
 from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS, ENV_RUN_DIR
 from launcher.testing import LocalJob
@@ -64,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def _in_place(args: argparse.Namespace, work: Path) -> InPlaceRun:
     run_dir = work / "in-place"
     job = LocalJob(
         run_dir,
@@ -100,21 +101,25 @@ def _in_place(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         codes = job.wait(max(1.0, deadline - time.monotonic()))
     finally:
         job.kill_everything()
-    out = {"exit_codes": codes}
+    out = InPlaceRun(exit_codes=codes)
     for label, (resize, done) in zip(("grow", "shrink"), _resizes(job), strict=False):
         # A joining process waits from the announcement on while the job still trains: the
         # resize starts when the first rank that was training stops.
         trained = [e for e in done if e.get("cause") != JOINED] or done
         start = min(e["started_t"] for e in trained)
         critical = max(done, key=lambda e: e["t"])
-        out[label] = {
-            "from": resize["from"],
-            "to": resize["to"],
-            "step": critical["step"],
-            "resize_s": critical["t"] - start,
-            "phases_ms": {k: round(v * 1e3, 1) for k, v in critical["phases"].items()},
-            "bytes_received": sum(e["bytes_received"] for e in done),
-        }
+        measured = InPlaceResize(
+            from_size=resize["from"],
+            to_size=resize["to"],
+            step=critical["step"],
+            resize_s=critical["t"] - start,
+            phases_ms={k: round(v * 1e3, 1) for k, v in critical["phases"].items()},
+            bytes_received=sum(e["bytes_received"] for e in done),
+        )
+        if label == "grow":
+            out.grow = measured
+        else:
+            out.shrink = measured
     return out
 
 
@@ -171,7 +176,7 @@ def _resizes(job: LocalJob) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]
     return out
 
 
-def _through_dcp(args: argparse.Namespace, work: Path, before: int, after: int) -> dict[str, Any]:
+def _through_dcp(args: argparse.Namespace, work: Path, before: int, after: int) -> DcpResize:
     ckpt = work / f"dcp-{before}-to-{after}"
     common = {"model": args.model, "ranks_per_node": 1, "cache_dir": str(work / "cache")}
     first = run_baseline(
@@ -197,15 +202,15 @@ def _through_dcp(args: argparse.Namespace, work: Path, before: int, after: int) 
     )
     ready = max(m["t"] for m in second.marks if m["event"] == "data_ready")
     restart = ready - second.started_t
-    return {
-        "from": before,
-        "to": after,
-        "exit_codes": [first.code, second.code],
-        "save_s": saved - saving,
-        "stop_s": exited - saved,
-        "restart_and_load_s": restart,
-        "resize_s": (exited - saving) + restart,
-    }
+    return DcpResize(
+        from_size=before,
+        to_size=after,
+        exit_codes=[first.code, second.code],
+        save_s=saved - saving,
+        stop_s=exited - saved,
+        restart_and_load_s=restart,
+        resize_s=(exited - saving) + restart,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,35 +218,26 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="p2p-bench-resize-"))
     if args.steps < 2 or args.dcp_steps < 1 or args.step_time < 0:
         raise UsageError("--steps must be at least 2, --dcp-steps 1 and --step-time 0 or more")
-    in_place = _in_place(args, work)
-    dcp = {}
+    report = ResizeReport(model=args.model, in_place=_in_place(args, work))
     if not args.no_dcp:
-        dcp = {"grow": _through_dcp(args, work, 3, 4), "shrink": _through_dcp(args, work, 4, 3)}
-    result: dict[str, Any] = {"model": args.model, "in_place": in_place, "dcp": dcp}
-    for label in ("grow", "shrink"):
-        ours = in_place.get(label, {}).get("resize_s")
-        theirs = dcp.get(label, {}).get("resize_s")
-        result[f"{label}_resize_s"] = ours
-        result[f"{label}_resize_dcp_s"] = theirs
-        result[f"{label}_speedup_vs_dcp"] = round(theirs / ours, 1) if ours and theirs else None
-    speedups = [result[f"{x}_speedup_vs_dcp"] for x in ("grow", "shrink")]
-    result["resize_speedup_vs_dcp"] = min(speedups) if all(speedups) else None
+        report.dcp_grow = _through_dcp(args, work, 3, 4)
+        report.dcp_shrink = _through_dcp(args, work, 4, 3)
     if args.json:
-        print(json.dumps(result, default=str))
+        print(json.dumps(report.to_json(), default=str))
         return 0
     print(f"p2p-bench resize: {args.model} model")
     for label in ("grow", "shrink"):
-        ours = in_place.get(label, {})
-        if label not in dcp:
-            print(f"  {label:6s}: in place {ours.get('resize_s', float('nan')):.2f} s")
+        ours, theirs = report.in_place_of(label), report.dcp_of(label)
+        ours_s = float("nan") if ours is None else ours.resize_s
+        if theirs is None:
+            print(f"  {label:6s}: in place {ours_s:.2f} s")
             continue
-        theirs = dcp[label]
         print(
-            f"  {label:6s} {theirs['from']} -> {theirs['to']}: in place "
-            f"{ours.get('resize_s', float('nan')):.2f} s ({ours.get('phases_ms')}), through DCP "
-            f"{theirs['resize_s']:.2f} s (save {theirs['save_s']:.2f}, stop "
-            f"{theirs['stop_s']:.2f}, restart and load {theirs['restart_and_load_s']:.2f}): "
-            f"{result[f'{label}_speedup_vs_dcp']}x"
+            f"  {label:6s} {theirs.from_size} -> {theirs.to_size}: in place "
+            f"{ours_s:.2f} s ({None if ours is None else ours.phases_ms}), through DCP "
+            f"{theirs.resize_s:.2f} s (save {theirs.save_s:.2f}, stop "
+            f"{theirs.stop_s:.2f}, restart and load {theirs.restart_and_load_s:.2f}): "
+            f"{report.speedup_vs_dcp(label)}x"
         )
-    print(f"  resize_speedup_vs_dcp: {result['resize_speedup_vs_dcp']}")
+    print(f"  resize_speedup_vs_dcp: {report.resize_speedup_vs_dcp}")
     return 0

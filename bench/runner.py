@@ -28,13 +28,15 @@ EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
 class JobOutcome:
     """A finished job: exit codes, each rank's ``rank<r>.json``, the event log."""
 
-    job: LocalJob
+    job: LocalJob | None
+    """The job's files (``None``: a fault-free reference reused from ``--reference-cache``)."""
     codes: list[int]
     results: dict[int, dict[str, Any]]
     wall_s: float
 
     def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
         """Events of the job's log."""
+        assert self.job is not None, "a kept reference has no event log"
         return self.job.events(name, **match)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ Inputs = dict[str, Input]
 
 def load(name: str) -> dict[str, Any]:
     """One of the data files under ``bench/data`` (``cited``, ``hardware``, ``models``, ...)."""
-    return json.loads((DATA / f"{name}.json").read_text())
+    data: dict[str, Any] = json.loads((DATA / f"{name}.json").read_text())
+    return data
 
 
 def cited(name: str, data: dict[str, Any] | None = None) -> Input:
@@ -439,11 +441,13 @@ def with_value(inp: Inputs, name: str, value: float) -> Inputs:
     return out
 
 
-def sensitivity(inp: Inputs, fn: Any, names: list[str] | None = None) -> list[dict[str, Any]]:
+def sensitivity(
+    inp: Inputs, fn: Callable[[Inputs], float], names: list[str] | None = None
+) -> list[dict[str, Any]]:
     """Each input with a range moved to its low and high bound, the others nominal: the result
     of ``fn(inputs)`` at both ends, sorted by the size of the swing (the tornado)."""
     base = fn(inp)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names or sorted(inp):
         i = inp[name]
         if i.low is None and i.high is None:

@@ -260,7 +260,7 @@ def validation(measured: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _recovery(inp: Inputs, job: Job) -> dict[str, Any]:
+def _recovery(inp: Inputs, job: Job) -> dict[str, dict[str, float]]:
     """One ``k``: the phases of a GPU fault and of a node fault, and their mix."""
     s = inp["node_level_fraction"].value
     gpu = sm.recovery_phases(inp, job)
@@ -400,7 +400,10 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
     k1 = Job(**{**fallback.__dict__, "replicas": ks[0]})
     tornado = sm.sensitivity(inp, lambda i: _expected_recovery_s(i, k1))
     rec_base = _expected_recovery_s(inp, k1)
-    red = lambda i: 100.0 * (1 - _expected_recovery_s(i, k1) / _restart_downtime_s(i, base))  # noqa: E731
+
+    def red(i: Inputs) -> float:
+        return 100.0 * (1 - _expected_recovery_s(i, k1) / _restart_downtime_s(i, base))
+
     red_rows = sm.sensitivity(inp, red)
     g_rows = sm.sensitivity(inp, lambda i: 100 * _analytic_goodput(i, k1, True))
     gr_rows = sm.sensitivity(inp, lambda i: 100 * _analytic_goodput(i, base, False))

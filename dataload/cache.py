@@ -28,6 +28,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import msgpack
 import numpy as np
@@ -115,7 +116,7 @@ class CacheHeader:
                 f"cache header of {len(body)} bytes does not fit in {HEADER_BYTES}; raise "
                 "CacheConfig.segment_samples (fewer, larger segments)"
             )
-        raw = MAGIC + len(body).to_bytes(4, "little") + body
+        raw: bytes = MAGIC + len(body).to_bytes(4, "little") + body
         return raw + b"\0" * (HEADER_BYTES - len(raw))
 
     @classmethod
@@ -154,12 +155,13 @@ class SampleCache:
         return self.header.count
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.samples[i]
+        sample: np.ndarray = self.samples[i]
+        return sample
 
     def segment_bytes(self, i: int) -> memoryview:
         """The bytes of segment ``i`` (what a peer fetch serves)."""
         start, end = self.header.segment_range(i)
-        return memoryview(self._mm[start:end])
+        return memoryview(self._mm[start:end].data)
 
 
 _NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -198,7 +200,8 @@ def _open_new(path: Path) -> int:
 
 
 def _crc_segments(data: np.ndarray, header: CacheHeader) -> list[int]:
-    return [zlib.crc32(data[slice(*header.segment_range(i))]) for i in range(header.num_segments)]
+    segments = (data[slice(*header.segment_range(i))] for i in range(header.num_segments))
+    return [zlib.crc32(segment.data) for segment in segments]
 
 
 def validate(path: Path, fingerprint: str) -> CacheHeader:
@@ -312,10 +315,27 @@ class FileLock:
         os.close(self.fd)
 
 
+Build = Callable[[], tuple[str, tuple[int, ...], int, Callable[[np.ndarray], None]]]
+"""What builds a cache: ``() -> (dtype, sample shape, count, fill)``."""
+
+
+class Source(Protocol):
+    """A data source the cache is built from (:mod:`dataload.sources`)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of everything that determines the samples."""
+        ...
+
+    def build(self) -> tuple[str, tuple[int, ...], int, Callable[[np.ndarray], None]]:
+        """``(dtype, sample shape, count, fill)``: what :func:`open_or_build` calls."""
+        ...
+
+
 def open_or_build(
     config: CacheConfig,
     fingerprint: str,
-    make: Callable[[], tuple[str, tuple[int, ...], int, Callable[[np.ndarray], None]]],
+    make: Build,
 ) -> SampleCache:
     """Map the node's cache, building it first if it is missing or fails validation.
 
@@ -344,6 +364,6 @@ def open_or_build(
     return SampleCache(path, header)
 
 
-def open_source(config: CacheConfig, source) -> SampleCache:
+def open_source(config: CacheConfig, source: Source) -> SampleCache:
     """:func:`open_or_build` for a source of :mod:`dataload.sources`."""
     return open_or_build(config, source.fingerprint, source.build)

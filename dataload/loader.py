@@ -23,6 +23,9 @@ import torch
 from dataload.cache import SampleCache
 from dataload.sampler import SamplerState, advance, plan_batch, rank_ids, state_at_step
 
+_Key = tuple[SamplerState, int, int]
+"""What a prefetched batch was read for: the sampler state, the world size, the rank."""
+
 
 class ResumableLoader:
     """Per-step batches for one rank; the whole position is :meth:`state_dict`.
@@ -52,7 +55,7 @@ class ResumableLoader:
         self.drop_last = drop_last
         self.state = SamplerState(seed)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2p-prefetch")
-        self._next: tuple[tuple, concurrent.futures.Future] | None = None
+        self._next: tuple[_Key, concurrent.futures.Future[torch.Tensor]] | None = None
         self.last_ids: np.ndarray = np.empty(0, dtype=np.int64)
         """Sample ids of the batch :meth:`next_batch` returned last."""
 
@@ -101,7 +104,8 @@ class ResumableLoader:
         order = np.argsort(ids)  # read the map in file order, then put the batch back in order
         out = np.empty((len(ids), *self.cache.header.shape), dtype=self.cache.header.dtype)
         out[order] = self.cache.samples[ids[order]]
-        return torch.from_numpy(out)
+        batch: torch.Tensor = torch.from_numpy(out)
+        return batch
 
     def next_batch(self) -> torch.Tensor:
         """This rank's batch of the next step; advances the state."""

@@ -19,10 +19,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -63,13 +65,13 @@ def _tag(secret: bytes, domain: bytes, m: bytes, data: bytes = b"") -> bytes:
     return mac.digest()
 
 
-def pack_reply(secret: bytes, meta: dict, data: bytes = b"") -> list[bytes]:
+def pack_reply(secret: bytes, meta: dict[str, Any], data: bytes = b"") -> list[bytes]:
     """``[tag, meta, data]`` with the tag over meta and data."""
     m = msgpack.packb(meta)
     return [_tag(secret, _REPLY_DOMAIN, m, data), m, data]
 
 
-def unpack_reply(secret: bytes, frames: list[bytes]) -> tuple[dict, bytes]:
+def unpack_reply(secret: bytes, frames: list[bytes]) -> tuple[dict[str, Any], bytes]:
     """Verify and split a reply; ``PeerFetchError`` if it is forged or malformed."""
     if len(frames) != 3:
         raise PeerFetchError(f"malformed reply ({len(frames)} frames)")
@@ -85,13 +87,13 @@ def unpack_reply(secret: bytes, frames: list[bytes]) -> tuple[dict, bytes]:
     return meta, data
 
 
-def pack_request(secret: bytes, req: dict) -> list[bytes]:
+def pack_request(secret: bytes, req: dict[str, Any]) -> list[bytes]:
     """``[tag, req]``: a signed request, stamped with its send time."""
     m = msgpack.packb({**req, "t": time.time()})
     return [_tag(secret, _REQUEST_DOMAIN, m), m]
 
 
-def unpack_request(secret: bytes, frames: list[bytes], num_segments: int) -> dict:
+def unpack_request(secret: bytes, frames: list[bytes], num_segments: int) -> dict[str, Any]:
     """Verify and check a request; ``ValueError`` naming what is wrong.
 
     Returns:
@@ -209,9 +211,9 @@ def fetch_cache(
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sock.connect(address)
 
-    def ask(req: dict) -> tuple[dict, bytes]:
+    def ask(req: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         sock.send_multipart([b"", *pack_request(secret, req)])
-        if not sock.poll(timeout_s * 1000):
+        if not sock.poll(math.ceil(timeout_s * 1000)):
             raise PeerFetchError(
                 f"no answer from {address} within {timeout_s:.0f}s (a peer does not answer a "
                 "request signed with another job's secret)"

@@ -12,17 +12,19 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import IO, Any
 
 import numpy as np
 
 
-def _open(path: str, mode: str = "rb"):
+def _open(path: str, mode: str = "rb") -> IO[Any]:
     if "://" in path:
         try:
             import fsspec
         except ImportError:
             raise ValueError(f"{path} is a URL: install fsspec (pip install fsspec)") from None
-        return fsspec.open(path, mode).open()
+        opened: IO[Any] = fsspec.open(path, mode).open()
+        return opened
     return open(path, mode)
 
 
@@ -55,7 +57,8 @@ class TokenFileSource:
     def _tokens(self) -> np.ndarray:
         with _open(self.path) as f:
             if self.path.endswith(".npy"):
-                return np.load(f).reshape(-1)
+                tokens: np.ndarray = np.load(f).reshape(-1)
+                return tokens
             return np.frombuffer(f.read(), dtype=self.dtype)
 
     @property

@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 
 from bench.phases import (
+    CoordinatorFault,
+    FaultRow,
+    RestartedFault,
     SilentFault,
+    UnmeasuredFault,
     as_json,
     checkpointless_faults,
     merged_downtime,
     not_fired,
     restart_faults,
+    row_from_json,
     step_reached,
     timeline,
 )
@@ -154,18 +159,46 @@ def test_a_step_finished_by_other_ranks_after_the_fault_counts_as_lost():
     assert g.steps_lost == 0
 
 
+def _restarted(spec: str, t_fault: float, downtime_s: float) -> RestartedFault:
+    return RestartedFault(
+        spec, t_fault, 4, 3, 1, "checkpoint", {"terminate": downtime_s}, downtime_s
+    )
+
+
 def test_overlapping_downtimes_are_counted_once():
-    faults = [
-        {"spec": "a", "t_fault": 1.0, "downtime_s": 0.4},
-        {"spec": "b", "t_fault": 1.1, "downtime_s": 0.34},  # during a's recovery
-        {"spec": "c", "t_fault": 3.0, "downtime_s": 0.5},
-        {"spec": "d", "t_fault": 3.1, "downtime_s": 0.1},  # inside c's
-        {"spec": "e", "t_fault": 2.0, "silent": True},
+    faults: list[FaultRow] = [
+        _restarted("a", 1.0, 0.4),
+        _restarted("b", 1.1, 0.34),  # during a's recovery
+        _restarted("c", 3.0, 0.5),
+        _restarted("d", 3.1, 0.1),  # inside c's
+        SilentFault("e", 2.0),
     ]
     assert merged_downtime(faults) == pytest.approx(0.44 + 0.5)
     assert merged_downtime(faults[2:3]) == pytest.approx(0.5)
-    assert merged_downtime([*faults, {"spec": "f", "t_fault": 9.0}]) is None
+    assert merged_downtime([*faults, UnmeasuredFault("f", 9.0, "no recovery after it")]) is None
+    assert merged_downtime([faults[-1]]) is None
     assert merged_downtime([]) is None
+
+
+def test_a_shard_with_no_copy_left_is_named_in_its_row_only_then():
+    (f,) = checkpointless_faults(engine_log(restored=5))
+    assert "every_copy_lost" not in as_json([f])[0]
+    f.every_copy_lost = "by design"
+    assert list(as_json([f])[0])[-2:] == ["bytes_received", "every_copy_lost"]
+
+
+def test_every_kind_of_row_reads_back_from_its_json():
+    (recovered,) = checkpointless_faults(engine_log(restored=3))
+    recovered.every_copy_lost = "by design"
+    rows: list[FaultRow] = [
+        recovered,
+        _restarted("kill:rank=2@step=8", 7.5, 27.0),
+        CoordinatorFault("kill-coordinator@step=4", 3.0, 1.2, 3, None),
+        SilentFault("bitflip:rank=1", 1.5),
+        UnmeasuredFault("hang:rank=0@step=9", 9.0, "no recovery after it"),
+    ]
+    back = [row_from_json(doc) for doc in as_json(rows)]
+    assert back == rows and [type(r) for r in back] == [type(r) for r in rows]
 
 
 def test_faults_that_never_fired_are_named():

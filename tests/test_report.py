@@ -274,39 +274,6 @@ def test_markdown_names_faults_that_never_fired_and_lost_copies(report):
     assert "never fired" not in render_markdown(report)
 
 
-def test_a_fault_that_never_fired_fails_the_bench(report, tmp_path, capsys):
-    import argparse
-
-    from bench.fault_runs import finish
-
-    args = argparse.Namespace(out_dir=str(tmp_path / "r"), json=True)
-    assert finish(args, copy.deepcopy(report)) == 0
-    report["modes"]["checkpointless"]["not_fired"] = ["kill:rank=1@step=3:phase=forward"]
-    assert finish(args, report) == 1
-    capsys.readouterr()
-
-
-def test_faults_whose_recovery_had_no_copy_left_are_marked():
-    from bench.fault_runs import _copies_lost
-    from bench.faults import parse_fault
-
-    faults = [
-        parse_fault("kill:rank=1@step=3"),
-        parse_fault("kill-buddies:rank=2@step=6"),
-        parse_fault("kill:rank=3@step=8"),
-    ]
-    measured = [
-        {"spec": str(faults[0]), "restored_from": "peers"},
-        {"spec": str(faults[1]), "restored_from": "checkpoint"},
-        {"spec": str(faults[2]), "restored_from": "checkpoint"},
-        {"spec": "hang:rank=0@step=9:phase=forward", "error": "no recovery after it"},
-    ]
-    marked = _copies_lost(measured, faults)
-    assert "every_copy_lost" not in marked[0] and "every_copy_lost" not in marked[3]
-    assert marked[1]["every_copy_lost"] == "by design"
-    assert "holders were lost" in marked[2]["every_copy_lost"]
-
-
 def test_spares_cover_a_rank_and_all_its_k_holders():
     from bench.fault_runs import spares_for
     from bench.faults import parse_fault

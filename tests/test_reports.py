@@ -1,0 +1,358 @@
+"""The fault benchmarks' report as named data: its JSON document, key for key, and back."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from bench import fault_runs
+from bench.faults import parse_fault
+from bench.phases import RecoveredFault, RestartedFault, SilentFault, UnmeasuredFault
+from bench.reports import (
+    BaselineSummary,
+    CheckpointlessRun,
+    CompareSummary,
+    ControlPlaneReport,
+    ControlPlaneSize,
+    DcpResize,
+    FaultRunReport,
+    HostileReport,
+    InPlaceResize,
+    InPlaceRun,
+    JobInfo,
+    Machine,
+    RecoverSummary,
+    ResizeReport,
+    RestartRun,
+    Takeover,
+)
+
+SPEC = "kill:rank=1@step=5:phase=forward"
+
+
+def _recovered(**changes: object) -> RecoveredFault:
+    row = RecoveredFault(
+        spec=SPEC,
+        t_fault=4.2,
+        generation=2,
+        step_reached=4,
+        step_restored=4,
+        steps_lost=0,
+        restored_from="peers",
+        phases={"detect": 0.03, "interrupt": 0.01, "transfer": 0.2},
+        downtime_s=0.24,
+        recovery_s=0.9,
+        bytes_received=1 << 20,
+    )
+    return dataclasses.replace(row, **changes)
+
+
+def _compare() -> FaultRunReport:
+    """A compare report as ``p2p-bench compare`` builds it, before its summary."""
+    return FaultRunReport(
+        kind="compare",
+        command=f"p2p-bench compare --fault {SPEC}",
+        created="2026-11-23T10:00:00+00:00",
+        machine=Machine("bench-host", 16, "Linux-6.1-x86_64", "3.11.2", "2.5.1", None),
+        job=JobInfo(
+            model="tiny",
+            nnodes=2,
+            nproc_per_node=2,
+            world_size=4,
+            steps=6,
+            checkpoint_every=3,
+            replicas=1,
+            num_params=120_000,
+            state_mib_per_rank=0.3,
+        ),
+        faults=[SPEC, "bitflip:rank=2@step=3"],
+        checkpointless=CheckpointlessRun(
+            wall_s=12.5,
+            exit_codes=[0, 0],
+            spares=[1, 0],
+            replicas=1,
+            faults=[_recovered(), SilentFault("bitflip:rank=2@step=3", 2.0)],
+            not_fired=[],
+            timeline=[(1.0, 1), (2.0, 2), (5.0, 5), (6.0, 6)],
+            run_dir="/tmp/run",
+            bitwise_equal=True,
+            reference_wall_s=10.0,
+        ),
+        restart=RestartRun(
+            wall_s=30.0,
+            exit_codes=[0],
+            faults=[
+                RestartedFault(SPEC, 4.3, 4, 3, 1, "checkpoint", {"terminate": 0.4}, 9.0),
+                UnmeasuredFault("bitflip:rank=2@step=3", 2.1, "the job did not restart"),
+            ],
+            timeline=[(1.0, 1), (14.0, 4)],
+            checkpoint_every=3,
+        ),
+    )
+
+
+def _roundtrip(doc: dict) -> dict:
+    return json.loads(json.dumps(doc))
+
+
+def test_the_document_has_the_keys_the_benches_have_always_written_in_order():
+    report = _compare()
+    report.summary = CompareSummary(0.24, 9.0, 97.3, True, fault_runs.notes(report))
+    doc = report.to_json()
+    top = ["kind", "command", "created", "machine", "job", "faults", "modes", "summary"]
+    assert list(doc) == top
+    assert list(doc["machine"]) == ["hostname", "cpus", "platform", "python", "torch", "gpu"]
+    assert list(doc["job"]) == [
+        "model",
+        "num_params",
+        "state_mib_per_rank",
+        "nnodes",
+        "nproc_per_node",
+        "world_size",
+        "steps",
+        "checkpoint_every",
+        "replicas",
+        "spares",
+    ]
+    assert list(doc["modes"]) == ["checkpointless", "restart"]
+    assert list(doc["modes"]["checkpointless"]) == [
+        "wall_s",
+        "exit_codes",
+        "spares",
+        "replicas",
+        "faults",
+        "not_fired",
+        "timeline",
+        "bitwise_equal",
+        "differences",
+        "run_dir",
+        "reference_wall_s",
+    ]
+    assert list(doc["modes"]["restart"]) == [
+        "wall_s",
+        "exit_codes",
+        "faults",
+        "timeline",
+        "bitwise_equal",
+        "checkpoint_every",
+    ]
+    assert doc["modes"]["restart"]["bitwise_equal"] is None
+    assert list(doc["summary"]) == [
+        "downtime_checkpointless_s",
+        "downtime_restart_s",
+        "downtime_reduction_pct",
+        "bitwise_equal",
+        "notes",
+    ]
+    assert _roundtrip(doc)["modes"]["checkpointless"]["timeline"][0] == [1.0, 1]
+    assert doc["modes"]["checkpointless"]["faults"][1] == {
+        "spec": "bitflip:rank=2@step=3",
+        "t_fault": 2.0,
+        "silent": True,
+    }
+
+
+def test_a_failed_run_says_so_after_its_fields_and_before_the_reference():
+    report = _compare()
+    assert report.checkpointless is not None and report.restart is not None
+    report.checkpointless.error = "Traceback ..."
+    report.restart.error = ""  # a failed run with no output still has the key
+    doc = report.to_json()
+    assert list(doc["modes"]["checkpointless"])[-2:] == ["error", "reference_wall_s"]
+    assert doc["modes"]["restart"]["error"] == ""
+
+
+def test_a_scripts_job_and_a_baseline_have_no_fields_they_never_had():
+    report = _compare()
+    report.job = dataclasses.replace(
+        report.job, script="/w/train.py --lr 3e-4", model="train.py", num_params=None
+    )
+    report.job.state_mib_per_rank = None
+    report.checkpointless = None
+    report.summary = BaselineSummary(9.0, [1, None], [])
+    doc = report.to_json()
+    assert list(doc["job"])[:3] == ["script", "model", "nnodes"]
+    assert "spares" not in doc["job"] and list(doc["modes"]) == ["restart"]
+    assert doc["summary"] == {"downtime_restart_s": 9.0, "steps_lost": [1, None], "notes": []}
+
+
+@pytest.mark.parametrize("kind", ["compare", "inject", "baseline"])
+def test_a_report_reads_back_from_its_document(kind):
+    report = _compare()
+    report.kind = kind
+    if kind == "inject":
+        report.restart = None
+        report.summary = RecoverSummary({"detect": 30.0}, 0.9, 0.24, 1 << 20, True, ["n"])
+    elif kind == "baseline":
+        report.checkpointless = None
+        report.summary = BaselineSummary(9.0, [1, None], ["n"])
+    else:
+        report.summary = CompareSummary(0.24, 9.0, 97.3, True, ["n"])
+    doc = _roundtrip(report.to_json())
+    back = FaultRunReport.from_json(doc)
+    assert _roundtrip(back.to_json()) == doc
+    assert type(back.summary) is type(report.summary)
+    assert back.modes.keys() == report.modes.keys()
+
+
+def test_a_summary_of_another_bench_does_not_read_back():
+    doc = _roundtrip(_compare().to_json())
+    doc["summary"] = {"downtime_restart_s": 9.0, "steps_lost": [1], "notes": []}
+    with pytest.raises(KeyError, match="compare summary"):
+        FaultRunReport.from_json(doc)
+
+
+def test_a_fault_that_never_fired_or_a_failed_check_fails_the_bench(tmp_path, capsys):
+    args = argparse.Namespace(out_dir=str(tmp_path / "r"), json=True)
+    report = _compare()
+    report.summary = CompareSummary(0.24, 9.0, 97.3, True, [])
+    assert fault_runs.finish(args, report) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert written == _roundtrip(report.to_json())
+    assert printed == {**written["summary"], "report_dir": args.out_dir, "modes": written["modes"]}
+    report.summary.bitwise_equal = False
+    assert fault_runs.finish(args, report) == 1
+    report.summary.bitwise_equal = True
+    assert report.checkpointless is not None
+    report.checkpointless.not_fired = [SPEC]
+    assert fault_runs.finish(args, report) == 1
+    report.checkpointless = None
+    report.summary = BaselineSummary(9.0, [1, None], [])  # no bitwise check to fail
+    assert fault_runs.finish(args, report) == 0
+    capsys.readouterr()
+
+
+def test_faults_whose_recovery_had_no_copy_left_are_marked():
+    faults = [
+        parse_fault("kill:rank=1@step=3"),
+        parse_fault("kill-buddies:rank=2@step=6"),
+        parse_fault("kill:rank=3@step=8"),
+    ]
+    measured = [
+        _recovered(spec=str(faults[0])),
+        _recovered(spec=str(faults[1]), restored_from="checkpoint"),
+        _recovered(spec=str(faults[2]), restored_from="checkpoint"),
+        UnmeasuredFault("hang:rank=0@step=9:phase=forward", 9.0, "no recovery after it"),
+    ]
+    marked = fault_runs._copies_lost(measured, faults)
+    assert isinstance(marked[0], RecoveredFault) and marked[0].every_copy_lost is None
+    assert isinstance(marked[1], RecoveredFault) and marked[1].every_copy_lost == "by design"
+    assert isinstance(marked[2], RecoveredFault) and marked[2].every_copy_lost is not None
+    assert "holders were lost" in marked[2].every_copy_lost
+
+
+def test_notes_name_lost_copies_silent_faults_and_unmeasured_ones():
+    report = _compare()
+    assert report.checkpointless is not None
+    report.checkpointless.faults[0] = _recovered(
+        restored_from="checkpoint", every_copy_lost="by design"
+    )
+    text = "\n".join(fault_runs.notes(report))
+    assert f"checkpointless: {SPEC} lost every copy of a shard (by design)" in text
+    assert "bitflip:rank=2@step=3 corrupts silently" in text
+    assert "restart: bitflip:rank=2@step=3: the job did not restart" in text
+    assert "every 3 steps" in text and "16 CPU cores, no GPU" in text
+
+
+def test_the_resize_report_has_the_keys_it_always_printed():
+    grow = InPlaceResize(3, 4, 7, 2.0, {"build": 300.0}, 1 << 20)
+    report = ResizeReport("tiny", InPlaceRun([0, 0, 0], grow=grow))
+    doc = report.to_json()
+    assert list(doc) == [
+        "model",
+        "in_place",
+        "dcp",
+        "grow_resize_s",
+        "grow_resize_dcp_s",
+        "grow_speedup_vs_dcp",
+        "shrink_resize_s",
+        "shrink_resize_dcp_s",
+        "shrink_speedup_vs_dcp",
+        "resize_speedup_vs_dcp",
+    ]
+    assert doc["in_place"] == {
+        "exit_codes": [0, 0, 0],
+        "grow": {
+            "from": 3,
+            "to": 4,
+            "step": 7,
+            "resize_s": 2.0,
+            "phases_ms": {"build": 300.0},
+            "bytes_received": 1 << 20,
+        },
+    }
+    assert doc["dcp"] == {} and doc["resize_speedup_vs_dcp"] is None
+    report.in_place.shrink = dataclasses.replace(grow, from_size=4, to_size=3, resize_s=4.0)
+    report.dcp_grow = DcpResize(3, 4, [0, 0], 5.0, 1.0, 9.0, 15.0)
+    report.dcp_shrink = DcpResize(4, 3, [0, 0], 5.0, 1.0, 8.0, 14.0)
+    doc = report.to_json()
+    assert list(doc["dcp"]) == ["grow", "shrink"]
+    assert list(doc["dcp"]["grow"]) == [
+        "from",
+        "to",
+        "exit_codes",
+        "save_s",
+        "stop_s",
+        "restart_and_load_s",
+        "resize_s",
+    ]
+    assert doc["grow_speedup_vs_dcp"] == 7.5 and doc["shrink_speedup_vs_dcp"] == 3.5
+    assert doc["resize_speedup_vs_dcp"] == 3.5
+
+
+def test_the_hostile_report_passes_only_when_nothing_got_through():
+    report = HostileReport(
+        {"random frames": 20},
+        20,
+        0,
+        0,
+        0,
+        ["agent/0", "agent/1"],
+        20,
+        80.5,
+        10,
+        3.2,
+        0,
+        True,
+        0,
+        0,
+        0,
+    )
+    assert list(report.to_json())[:3] == ["tried_by_kind", "tried_total", "crashes"]
+    assert report.passed
+    assert not dataclasses.replace(report, squatter_messages_received=1).passed
+    assert not dataclasses.replace(report, crashes=1).passed
+
+
+def test_the_control_plane_report_puts_the_takeover_where_it_always_was():
+    size = ControlPlaneSize(32, 0.05, 170.0, 180.0, 3.0, 4.0, 50.0, 60.0, 1.1, 1.2, 1.0, 5, 0)
+    report = ControlPlaneReport(0.2, 1.0, None, [size], "p2p-bench control-plane --no-takeover")
+    doc = report.to_json()
+    assert list(doc) == [
+        "benchmark",
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+        "takeover_timeout_s",
+        "sizes",
+        "command",
+    ]
+    assert list(doc["sizes"][0])[-2:] == ["exit_trials", "unexpected_faults"]
+    size.takeover = Takeover(40.0, 90.0, 1.0, 35, 4, 0, 1100.0, unexpected_faults=2)
+    keys = list(report.to_json()["sizes"][0])
+    assert keys[keys.index("exit_trials") :] == [
+        "exit_trials",
+        "takeover_ms_p50",
+        "takeover_ms_p99",
+        "takeover_timeout_s",
+        "takeover_members",
+        "takeover_votes",
+        "takeover_not_told",
+        "election_ms",
+        "unexpected_faults",
+        "takeover_unexpected_faults",
+    ]
+    assert report.to_json()["sizes"][0]["takeover_unexpected_faults"] == 2
