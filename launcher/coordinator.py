@@ -243,6 +243,8 @@ class Coordinator:
         self._next_vote = 0.0
         self._holding = False
         self._quorum_grace = 0.0
+        self._last_loop: float | None = None
+        """When the active coordinator's loop last reached its deadline checks."""
         """Until then the quorum is not checked (processes reconnecting after a takeover)."""
         if self.standby:
             self._upstream = self.ctx.socket(zmq.DEALER)
@@ -313,6 +315,7 @@ class Coordinator:
             poller.register(self._upstream, zmq.POLLIN)
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         next_agent_beat = 0.0
+        self._last_loop = None
         while self.exit_code is None:
             if deadline is not None and time.monotonic() > deadline:
                 break
@@ -334,6 +337,7 @@ class Coordinator:
                 self._standby_tick()
                 continue
             now = self.now()
+            self._excuse_own_stall(now)
             if now >= next_agent_beat:
                 # Agents watch for this: a node whose coordinator is gone cleans up and exits.
                 for identity, proc in list(self.membership.procs.items()):
@@ -349,6 +353,22 @@ class Coordinator:
             except Exception as e:  # the coordinator must outlive its own bugs: log, go on
                 self._internal_error("tick", e)
         return self.exit_code if self.exit_code is not None else 0
+
+    def _excuse_own_stall(self, now: float) -> None:
+        """A loop that did not get round for half a heartbeat timeout (this process or its
+        host stalled) heard nobody meanwhile, through no fault of theirs: every member counts
+        as heard now, as after a takeover, instead of being declared lost for the
+        coordinator's own pause (a node so declared could never come back)."""
+        last, self._last_loop = self._last_loop, now
+        if last is None or now - last <= self.config.membership.heartbeat_timeout_s / 2:
+            return
+        for identity in self.membership.procs:
+            self.membership.heartbeat(identity, now)
+        self.events.write("stalled", seconds=round(now - last, 3))
+        logger.warning(
+            "this coordinator did not run for %.1fs: no member is blamed for the silence",
+            now - last,
+        )
 
     def _in_quorum(self, now: float) -> bool:
         """Whether this coordinator hears at least half the job's nodes (so it may decide).

@@ -354,3 +354,28 @@ def test_a_process_never_welcomed_says_hello_where_its_agent_says_the_active_one
         client.close()
         agent_end.close()
         child_end.close()
+
+
+def test_a_coordinator_that_stalled_does_not_blame_the_nodes_it_could_not_hear(coordinator):
+    """Its host paused it for 5 s (twice the heartbeat timeout): when it runs again it hears
+    node 0's queued heartbeat first; node 1's comes a moment later. Node 1 is not lost."""
+    from launcher.decisions import Process
+
+    m = coordinator.membership
+    for node in range(2):
+        m.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, coordinator.now())
+    mirror, stalls = coordinator._mirror, [5.0]
+
+    def mirror_then_stall() -> None:
+        mirror()
+        if stalls:
+            coordinator.clock_offset += stalls.pop()
+            m.heartbeat("agent/0", coordinator.now())
+
+    coordinator._mirror = mirror_then_stall
+    coordinator.serve(stop_after_s=0.5)
+    events = read_events(coordinator.config.run_dir)
+    assert [e for e in events if e["event"] == "fault"] == []
+    (stalled,) = [e for e in events if e["event"] == "stalled"]
+    assert stalled["seconds"] >= 5.0
+    assert "agent/1" in m.procs
