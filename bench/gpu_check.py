@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,52 +62,82 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine_info(),
         "command": " ".join(["p2p-bench", *sys.argv[1:]]),
     }
-    if not args.skip_tests:
-        report["unit_tests"] = _unit_tests()
-    report["copies"] = _copies(args.mib << 20, args.repeats)
-    report["checksum"] = _checksums(args.mib << 20, args.repeats)
-    report["pinned_alloc"] = _pinned_alloc()
-    report.update(_state_checks(torch.device("cuda", torch.cuda.current_device()), args.model))
+    folder = Path(args.out)
+    device = torch.device("cuda", torch.cuda.current_device())
+    checks: dict[str, Callable[[], Any]] = {
+        "copies": lambda: _copies(args.mib << 20, args.repeats),
+        "checksum": lambda: _checksums(args.mib << 20, args.repeats),
+        "pinned_alloc": _pinned_alloc,
+        **_state_checks(device, args.model),
+    }
+    if not args.skip_tests:  # last: the longest, and the measurements need not wait for it
+        checks["unit_tests"] = lambda: _unit_tests(folder)
+    for name, check in checks.items():
+        report[name] = _guarded(check)
+        _write_json(report, folder)  # a run cut short still leaves what it measured
     report["not_measured"] = [
         "replication over NCCL against raw send/recv, and kill-and-recover with 2+ GPUs",
     ]
-    _write(report, Path(args.out))
+    _write_json(report, folder)
+    (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
     print(json.dumps(report) if args.json else _table(report))
     return 0 if passed(report) else 1
 
 
+def _guarded(check: Callable[[], Any]) -> Any:
+    """The check's result, or ``{"error": ...}`` if it raised: one broken check (a first run on
+    a new machine) must not lose the others' figures."""
+    try:
+        return check()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
 def passed(report: dict[str, Any]) -> bool:
     """Whether every check with a verdict passed (timings have none)."""
-    return (
+    if any(isinstance(v, dict) and "error" in v for v in report.values()):
+        return False  # a check that raised has no verdict, and none is assumed
+    return bool(
         report.get("unit_tests", {}).get("passed", True)
         and all(r["passed"] for r in report.get("bitwise_restore", []))
         and report.get("stream_race", {}).get("passed", True)
     )
 
 
-def _state_checks(device: torch.device, preset: str) -> dict[str, Any]:
+def _state_checks(device: torch.device, preset: str) -> dict[str, Callable[[], Any]]:
     from bench import gpu_state_checks as checks
 
     return {
-        "bitwise_restore": [checks.bitwise_restore(device, v) for v in checks.ADAMW_VARIANTS],
-        "replicate_blocking": checks.replicate_blocking(device, preset),
-        "stream_race": checks.stream_race(device),
-        "rebuild_peak": checks.rebuild_peak(device, preset),
+        "bitwise_restore": lambda: [
+            checks.bitwise_restore(device, v) for v in checks.ADAMW_VARIANTS
+        ],
+        "replicate_blocking": lambda: checks.replicate_blocking(device, preset),
+        "stream_race": lambda: checks.stream_race(device),
+        "rebuild_peak": lambda: checks.rebuild_peak(device, preset),
     }
 
 
-def _unit_tests() -> dict[str, Any]:
+def _unit_tests(folder: Path) -> dict[str, Any]:
+    """Run ``pytest -m gpu``; its whole output goes to ``unit-tests.log`` in the report folder."""
     root = Path(__file__).resolve().parent.parent
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests"],
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
         cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root)),
-        capture_output=True,
+        env=dict(os.environ, PYTHONPATH=path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         timeout=1800,
     )
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
-    return {"passed": proc.returncode == 0, "summary": last}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "unit-tests.log").write_text(proc.stdout)
+    lines = proc.stdout.strip().splitlines()
+    return {
+        "passed": proc.returncode == 0,
+        "summary": (lines or [""])[-1],
+        "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+    }
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -162,64 +193,129 @@ def _checksums(nbytes: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def _pinned_alloc() -> list[dict[str, float]]:
+def _pinned_alloc() -> list[dict[str, Any]]:
+    """Time to pin fresh host memory (what a buffer first allocated on a spare's critical path
+    costs), and what the caching host allocator really takes for it (rounded up to a power of
+    two) against :func:`~p2p_state.memory.pinned_footprint`."""
+    from p2p_state.memory import pinned_footprint
+
+    empty_cache = getattr(torch._C, "_host_emptyCache", None)  # else cached blocks are reused
     out = []
-    for mib in (64, 256, 1024):
+    for mib in (96, 256, 1024):
+        if empty_cache is not None:
+            empty_cache()
+        before = _pinned_bytes()
         t0 = time.perf_counter()
         buf = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
-        out.append({"mib": mib, "alloc_ms": (time.perf_counter() - t0) * 1e3})
+        alloc_ms = (time.perf_counter() - t0) * 1e3
+        out.append(
+            {
+                "mib": mib,
+                "alloc_ms": alloc_ms,
+                "taken_mib": (_pinned_bytes() - before) / 2**20,
+                "expected_mib": pinned_footprint(mib << 20) / 2**20,
+                "fresh": empty_cache is not None,
+            }
+        )
         del buf
+    if empty_cache is not None:
+        empty_cache()
     return out
 
 
+def _pinned_bytes() -> int:
+    """Pinned bytes the caching host allocator holds (its blocks, rounded, cached or not)."""
+    stats = torch.cuda.memory.host_memory_stats()
+    return int(stats.get("allocated_bytes.current", 0))
+
+
 def _table(report: dict[str, Any]) -> str:
-    c, k = report["copies"], report["checksum"]
-    lines = [
-        f"gpu-check on {report['device']} x{report['num_gpus']}",
-        f"  unit tests       {report.get('unit_tests', {}).get('summary', 'skipped')}",
+    lines = [f"gpu-check on {report['device']} x{report['num_gpus']}"]
+    if "unit_tests" not in report:
+        lines.append("  unit tests       skipped (--skip-tests)")
+    for name, render in _SECTIONS.items():
+        value = report.get(name)
+        if isinstance(value, dict) and "error" in value and "passed" not in value:
+            lines.append(f"  {name:<16} ERROR {value['error']}")
+        elif value is not None:
+            lines += render(value)
+    lines.append("  not measured yet: " + "; ".join(report.get("not_measured", [])))
+    return "\n".join(lines)
+
+
+def _unit_test_lines(t: dict[str, Any]) -> list[str]:
+    return [f"  unit tests       {t['summary']}", *(f"    {f}" for f in t.get("failures", []))]
+
+
+def _copy_lines(c: dict[str, Any]) -> list[str]:
+    return [
         f"  d2d copy_        {c['d2d_gbps']:.1f} GB/s (reference)",
         f"  pinned d2h       {c['pinned_d2h_gbps']:.1f} GB/s ({c['d2h_vs_d2d']:.2f}x d2d)",
         f"  pinned h2d       {c['pinned_h2d_gbps']:.1f} GB/s ({c['h2d_vs_d2d']:.2f}x d2d)",
+    ]
+
+
+def _checksum_lines(k: dict[str, Any]) -> list[str]:
+    return [
         f"  checksum on GPU  {k['gpu_gbps']:.1f} GB/s ({k['gpu_vs_d2d_copy']:.2f}x d2d), "
         f"{k['kernel']}; equals host: {k['gpu_equals_host']}",
         f"  checksum on host {k['host_gbps']:.1f} GB/s",
     ]
-    lines += [f"  pin {a['mib']} MiB     {a['alloc_ms']:.1f} ms" for a in report["pinned_alloc"]]
-    lines += _state_lines(report)
-    lines.append("  not measured yet: " + "; ".join(report["not_measured"]))
-    return "\n".join(lines)
 
 
-def _write(report: dict[str, Any], folder: Path) -> None:
+def _pin_lines(allocs: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"  pin {a['mib']:>4} MiB     {a['alloc_ms']:.1f} ms, takes {a['taken_mib']:.0f} MiB "
+        f"(expected {a['expected_mib']:.0f})" + ("" if a["fresh"] else " (may reuse the cache)")
+        for a in allocs
+    ]
+
+
+def _restore_lines(results: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"  restore AdamW {r['variant']:<10} "
+        + ("bitwise" if r["passed"] else f"FAILED {r.get('error') or r}")
+        for r in results
+    ]
+
+
+def _blocking_lines(b: dict[str, Any]) -> list[str]:
+    return [
+        f"  replicate() host {b['staged_blocked_ms']:.2f} ms per {b['staged_step_ms']:.1f} ms "
+        f"step ({b['staged_vs_step']:.3f}x); copying host pieces one by one: "
+        f"{b['unstaged_blocked_ms']:.2f} ms ({b['unstaged_vs_step']:.3f}x)"
+    ]
+
+
+def _race_lines(race: dict[str, Any]) -> list[str]:
+    return [
+        f"  stream race      fenced snapshot intact: {race['fenced_equal']}; "
+        f"without the fence it is overwritten: {race.get('unfenced_differs')}"
+    ]
+
+
+def _peak_lines(peak: dict[str, Any]) -> list[str]:
+    return [
+        f"  rebuild peak     {peak['released_gib']:.2f} GiB as the engine does it "
+        f"({peak['released_vs_plain']:.2f}x a plain step); failed frames kept "
+        f"{peak['kept_gib']:.2f} GiB ({peak['kept_vs_plain']:.2f}x); old model not "
+        f"collected {peak['uncollected_gib']:.2f} GiB ({peak['uncollected_vs_plain']:.2f}x)"
+    ]
+
+
+_SECTIONS: dict[str, Callable[[Any], list[str]]] = {
+    "unit_tests": _unit_test_lines,
+    "copies": _copy_lines,
+    "checksum": _checksum_lines,
+    "pinned_alloc": _pin_lines,
+    "bitwise_restore": _restore_lines,
+    "replicate_blocking": _blocking_lines,
+    "stream_race": _race_lines,
+    "rebuild_peak": _peak_lines,
+}
+"""How each section of the report is printed, in order."""
+
+
+def _write_json(report: dict[str, Any], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
-
-
-def _state_lines(report: dict[str, Any]) -> list[str]:
-    lines = []
-    for r in report.get("bitwise_restore", []):
-        verdict = "bitwise" if r["passed"] else f"FAILED {r.get('error') or r}"
-        lines.append(f"  restore AdamW {r['variant']:<10} {verdict}")
-    b = report.get("replicate_blocking")
-    if b:
-        lines.append(
-            f"  replicate() host {b['staged_blocked_ms']:.2f} ms per {b['staged_step_ms']:.1f} ms "
-            f"step ({b['staged_vs_step']:.3f}x); copying host pieces one by one: "
-            f"{b['unstaged_blocked_ms']:.2f} ms ({b['unstaged_vs_step']:.3f}x)"
-        )
-    race = report.get("stream_race")
-    if race:
-        lines.append(
-            f"  stream race      fenced snapshot intact: {race['fenced_equal']}; "
-            f"without the fence it is overwritten: {race.get('unfenced_differs')}"
-        )
-    peak = report.get("rebuild_peak")
-    if peak:
-        lines.append(
-            f"  rebuild peak     {peak['released_gib']:.2f} GiB as the engine does it "
-            f"({peak['released_vs_plain']:.2f}x a plain step); failed frames kept "
-            f"{peak['kept_gib']:.2f} GiB ({peak['kept_vs_plain']:.2f}x); old model not "
-            f"collected {peak['uncollected_gib']:.2f} GiB ({peak['uncollected_vs_plain']:.2f}x)"
-        )
-    return lines

@@ -17,7 +17,7 @@ the log.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -153,18 +153,27 @@ def _block_digests_gpu(full: torch.Tensor) -> torch.Tensor:
     kernel = _cupy_kernel()
     if kernel is None:
         return _block_digests_torch(full)
-    import cupy
-
     assert full.data_ptr() % 32 == 0, "blocks are read as 32-byte stripes"
     out = torch.empty(num_blocks, dtype=torch.int64, device=full.device)
     threads = 128
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream(full.device).cuda_stream):
+    with _cupy_stream(torch.cuda.current_stream(full.device)):
         kernel(
             ((num_blocks + threads - 1) // threads,),
             (threads,),
             (full.data_ptr(), out.data_ptr(), np.int64(num_blocks), np.int64(BLOCK_BYTES)),
         )
     return out
+
+
+def _cupy_stream(stream: torch.cuda.Stream) -> Any:
+    """``stream`` as a cupy stream, for launching on it (cupy 14 deprecates ``ExternalStream``
+    for ``Stream.from_external``, which takes streams that speak the CUDA stream protocol)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
 def combine(digests: np.ndarray, nbytes: int) -> int:

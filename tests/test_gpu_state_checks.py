@@ -75,7 +75,8 @@ def test_report_lines_and_verdict():
             "uncollected_vs_plain": 2.0,
         },
     }
-    lines = gpu_check._state_lines(report)
+    report.update(device="GPU", num_gpus=1, not_measured=["x"])
+    lines = gpu_check._table(report).splitlines()[2:]  # after the title and the skipped tests
     assert lines[0] == "  restore AdamW default    bitwise"
     assert lines[1] == "  restore AdamW capturable FAILED RuntimeError: x"
     assert "0.21 ms per 40.0 ms step (0.005x)" in lines[2] and "30.00 ms (0.750x)" in lines[2]
@@ -89,3 +90,21 @@ def test_report_lines_and_verdict():
     assert gpu_check.passed(report) is True
     report["stream_race"]["passed"] = False
     assert gpu_check.passed(report) is False
+
+
+def test_a_check_that_raised_is_printed_as_its_error_and_fails_the_run():
+    report = {
+        "device": "GPU",
+        "num_gpus": 1,
+        "unit_tests": {"passed": True, "summary": "3 passed", "failures": []},
+        "stream_race": gpu_check._guarded(lambda: 1 / 0),
+        "rebuild_peak": {"error": "RuntimeError: out of memory"},
+    }
+    lines = gpu_check._table(report).splitlines()
+    assert lines[1] == "  unit tests       3 passed"
+    assert lines[2] == "  stream_race      ERROR ZeroDivisionError: division by zero"
+    assert "ZeroDivisionError" in report["stream_race"]["traceback"]
+    assert lines[3] == "  rebuild_peak     ERROR RuntimeError: out of memory"
+    assert gpu_check.passed(report) is False
+    del report["stream_race"], report["rebuild_peak"]
+    assert gpu_check.passed(report) is True
