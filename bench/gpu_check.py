@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -70,14 +71,14 @@ def run(args: argparse.Namespace) -> int:
         "pinned_alloc": _pinned_alloc,
         **_state_checks(device, args.model),
     }
+    checks["replication"] = lambda: _replication(folder, args.model)
+    checks["kill_and_recover"] = lambda: _kill_and_recover(folder, args.model)
     if not args.skip_tests:  # last: the longest, and the measurements need not wait for it
         checks["unit_tests"] = lambda: _unit_tests(folder)
     for name, check in checks.items():
         report[name] = _guarded(check)
         _write_json(report, folder)  # a run cut short still leaves what it measured
-    report["not_measured"] = [
-        "replication over NCCL against raw send/recv, and kill-and-recover with 2+ GPUs",
-    ]
+    report["not_measured"] = ["replication and recovery across machines (one machine here)"]
     _write_json(report, folder)
     (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
     print(json.dumps(report) if args.json else _table(report))
@@ -101,6 +102,7 @@ def passed(report: dict[str, Any]) -> bool:
         report.get("unit_tests", {}).get("passed", True)
         and all(r["passed"] for r in report.get("bitwise_restore", []))
         and report.get("stream_race", {}).get("passed", True)
+        and report.get("kill_and_recover", {}).get("passed", True)
     )
 
 
@@ -120,11 +122,10 @@ def _state_checks(device: torch.device, preset: str) -> dict[str, Callable[[], A
 def _unit_tests(folder: Path) -> dict[str, Any]:
     """Run ``pytest -m gpu``; its whole output goes to ``unit-tests.log`` in the report folder."""
     root = Path(__file__).resolve().parent.parent
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
         cwd=root,
-        env=dict(os.environ, PYTHONPATH=path),
+        env=dict(os.environ, PYTHONPATH=_python_path(root)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -138,6 +139,109 @@ def _unit_tests(folder: Path) -> dict[str, Any]:
         "summary": (lines or [""])[-1],
         "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
     }
+
+
+#: The fault of the kill-and-recover check: a rank of the second node, mid-run.
+KILL = "kill:rank=3@step=6"
+
+
+def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, Any]:
+    """The example job on this machine's GPUs, 2 nodes of 2 ranks and a spare, rank 3 killed:
+    the survivors abort their NCCL groups, the spare takes the rank, the state comes back from
+    peers over NCCL; bitwise against the fault-free run (``p2p-bench inject``).
+
+    Every process is a host of its own to NCCL (:mod:`bench.shared_gpu`), so this runs on any
+    number of GPUs; with fewer GPUs than ranks NCCL moves the bytes over its socket transport.
+    """
+    root = Path(__file__).resolve().parent.parent
+    out = folder / "kill-and-recover"
+    script = [str(root / "examples" / "train.py"), "--steps", str(steps), "--model", preset]
+    with tempfile.TemporaryDirectory(prefix="p2p-gpu-check-") as work:
+        inject = ["inject", "--json", "--quiet", "--steps", str(steps), "--fault", KILL]
+        inject += ["--checkpoint-every", "4", "--out-dir", str(out), "--work-dir", work]
+        inject += ["--timeout", str(RUN_TIMEOUT_S)]
+        inject += ["--script", str(root / "bench" / "shared_gpu.py"), "--", *script]
+        # Two runs (fault-free and faulty) and the report: within three run deadlines.
+        lines = _bench(inject, folder / "kill-and-recover.log", 3 * RUN_TIMEOUT_S, ok=(0, 1))
+    report = json.loads(lines[-1])
+    run = report["modes"]["checkpointless"]
+    fault = (run["faults"] or [{}])[0]
+    return {
+        "fault": KILL,
+        "passed": bool(run["bitwise_equal"]) and not run["not_fired"],
+        "bitwise_equal": run["bitwise_equal"],
+        "differences": run["differences"],
+        "restored_from": fault.get("restored_from"),
+        "downtime_s": fault.get("downtime_s"),
+        "steps_lost": fault.get("steps_lost"),
+        "phases_ms": {k: v * 1e3 for k, v in fault.get("phases", {}).items()},
+        "report": str(out / "report.json"),
+    }
+
+
+def _replication(folder: Path, preset: str, nproc: int = 2) -> dict[str, Any]:
+    """``p2p-bench replicate --device cuda`` on two ranks: the replicator's transfer over NCCL
+    from GPU memory against a plain ``isend``/``irecv`` of the same bytes on the same group,
+    and the step time with replication on against off."""
+    args = ["replicate", "--json", "--device", "cuda", "--model", preset]
+    args += ["--nproc", str(nproc), "--ranks-per-node", "1", "--timeout", str(RUN_TIMEOUT_S)]
+    lines = _bench(args, folder / "replication.log", RUN_TIMEOUT_S)
+    r = json.loads(lines[-1])
+    keep = [
+        *("replication_backend", "replica_memory", "snapshot_mib_per_rank", "round_gbps"),
+        *("replication_gbps", "raw_sendrecv_gbps", "replication_vs_raw", "overhead_pct"),
+        *("step_time_ms_off", "step_time_ms_on", "snapshot_vs_memcpy"),
+    ]
+    out = {k: r[k] for k in keep}
+    out["transport"] = (
+        "NCCL's socket transport (the ranks share a GPU)"
+        if torch.cuda.device_count() < nproc
+        else "NCCL between GPUs of this machine"
+    )
+    return out
+
+
+#: Deadline of one multi-process run inside a check, seconds.
+RUN_TIMEOUT_S = 240
+
+
+def _bench(args: list[str], log: Path, timeout_s: float, ok: tuple[int, ...] = (0,)) -> list[str]:
+    """Run ``p2p-bench ARGS`` within ``timeout_s``; its whole output goes to ``log``.
+
+    Returns its standard output's lines (the last one its ``--json`` report).
+
+    Raises:
+        RuntimeError: it exited with a code not in ``ok``, printed nothing, or ran out of time;
+            the message ends with its last line of errors and names the log.
+    """
+    root = Path(__file__).resolve().parent.parent
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.cli", *args],
+            cwd=root,
+            env=dict(os.environ, PYTHONPATH=_python_path(root)),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as e:
+        log.write_text(_text(e.stdout) + _text(e.stderr))
+        raise RuntimeError(f"p2p-bench {args[0]} ran past {timeout_s:.0f} s (see {log})") from None
+    log.write_text(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode not in ok or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"p2p-bench {args[0]} exited {proc.returncode}: {tail} (see {log})")
+    return lines
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def _python_path(root: Path) -> str:
+    return os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -303,6 +407,26 @@ def _peak_lines(peak: dict[str, Any]) -> list[str]:
     ]
 
 
+def _replication_lines(r: dict[str, Any]) -> list[str]:
+    return [
+        f"  replication      {r['replication_gbps']:.2f} GB/s over {r['replication_backend']} "
+        f"from {r['replica_memory']} memory ({r['replication_vs_raw']:.2f}x raw send/recv "
+        f"{r['raw_sendrecv_gbps']:.2f} GB/s; whole round {r['round_gbps']:.2f} GB/s), "
+        f"{r['snapshot_mib_per_rank']:.0f} MiB per rank; {r['transport']}",
+        f"  step with it     {r['step_time_ms_on']:.1f} ms against {r['step_time_ms_off']:.1f} "
+        f"ms without ({r['overhead_pct']:+.1f} %)",
+    ]
+
+
+def _kill_lines(k: dict[str, Any]) -> list[str]:
+    verdict = "bitwise" if k["passed"] else f"FAILED {'; '.join(k['differences']) or k}"
+    phases = ", ".join(f"{name} {ms:.0f}" for name, ms in k["phases_ms"].items())
+    return [
+        f"  kill + recover   {k['fault']}: {verdict}; downtime {k['downtime_s']:.2f} s, "
+        f"{k['steps_lost']} step(s) lost, restored from {k['restored_from']} ({phases} ms)"
+    ]
+
+
 _SECTIONS: dict[str, Callable[[Any], list[str]]] = {
     "unit_tests": _unit_test_lines,
     "copies": _copy_lines,
@@ -312,6 +436,8 @@ _SECTIONS: dict[str, Callable[[Any], list[str]]] = {
     "replicate_blocking": _blocking_lines,
     "stream_race": _race_lines,
     "rebuild_peak": _peak_lines,
+    "replication": _replication_lines,
+    "kill_and_recover": _kill_lines,
 }
 """How each section of the report is printed, in order."""
 

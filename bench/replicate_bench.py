@@ -1,6 +1,9 @@
 """``p2p-bench replicate``: what replication costs on the example model, against references.
 
-Everything is measured in one run of ``--nproc`` ranks on emulated nodes (FSDP2, gloo on CPU):
+Everything is measured in one run of ``--nproc`` ranks on emulated nodes: FSDP2 over gloo on
+CPUs, or with ``--device cuda`` over NCCL from GPU memory (rank ``r`` on GPU ``r mod #GPUs``;
+with fewer GPUs than ranks each rank is a host of its own to NCCL, :mod:`bench.shared_gpu`,
+and the bytes go over NCCL's socket transport):
 
 - ``replication_gbps`` vs ``raw_sendrecv_gbps``: the replicator's transfer (headers, chunked
   batched isend/irecv, the same buddy pattern) against one plain isend/irecv of a tensor of the
@@ -33,11 +36,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=10, help="standalone transfer repetitions")
     p.add_argument("--chunk-mb", type=float, default=32.0, help="replication chunk size, MiB")
     p.add_argument("--timeout", type=float, default=1200.0, help="deadline for the run, seconds")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks train")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _device_of(rank: int, kind: str) -> tuple[Any, Any]:
+    """This rank's device and the function that waits for it (a no-op on CPUs)."""
+    import torch
+
+    if kind != "cuda":
+        return torch.device("cpu"), lambda: None
+    import torch.distributed as dist
+
+    from bench.shared_gpu import become_a_host_of_its_own
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    if torch.cuda.device_count() < dist.get_world_size():
+        become_a_host_of_its_own()  # before the first NCCL communicator (created lazily)
+    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
 
 
 def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
@@ -50,8 +70,9 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
     from p2p_state.state import TrainingState
 
     rank = dist.get_rank()
+    device, sync = _device_of(rank, params["device"])
     cfg = PRESETS[params["model"]]
-    model = shard(build_model(cfg))
+    model = shard(build_model(cfg).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = TrainingState(model, opt)
     rep = Replicator(state, ReplicationConfig(chunk_bytes=params["chunk_bytes"]))
@@ -61,6 +82,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
         nonlocal step_no
         step_no += 1
         tokens = synthetic_batch(cfg, step=step_no, rank=rank, batch_size=params["batch_size"])
+        tokens = tokens.to(device)
         lm_loss(model, tokens).backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,13 +104,15 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
                     rep.replicate(step_no)
                     if j == params["steps_per_block"] - 1:
                         rep.flush()  # the block's last round is part of its cost
+                sync()
                 times[mode].append(time.perf_counter() - t0)
     in_training = list(rep.stats)[first_round:]
 
     # Standalone transfers: the replicator's round vs one plain isend/irecv of the same bytes.
     holder, owner = rep.holders[0], rep.owners[0]
-    send_buf = torch.randint(0, 255, (state.layout.total_bytes,), dtype=torch.uint8)
-    recv_buf = torch.empty(rep.layouts[owner].total_bytes, dtype=torch.uint8)
+    wire = device if rep.backend == "nccl" else torch.device("cpu")
+    send_buf = torch.randint(0, 255, (state.layout.total_bytes,), dtype=torch.uint8, device=wire)
+    recv_buf = torch.empty(rep.layouts[owner].total_bytes, dtype=torch.uint8, device=wire)
     repl_gbps, raw_gbps, round_gbps = [], [], []
     for _ in range(params["rounds"]):
         dist.barrier()
@@ -109,6 +133,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
         for w in works:
             assert w is not None  # None only inside a coalescing manager
             w.wait()
+        sync()
         raw_gbps.append(send_buf.numel() / (time.perf_counter() - t0) / 1e9)
 
     # Snapshot copy vs plain memcpy, on rank 0 alone so the others do not compete for cores.
@@ -118,19 +143,24 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
         slot = rep.own.writable()
         assert slot.buffer is not None  # the replicator allocates its own slots
         nbytes = state.layout.tensor_bytes
-        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=slot.buffer.device)
         dst = torch.empty_like(src)
         for _ in range(10):
+            sync()
             t0 = time.perf_counter()
             state.copy_tensors_into(slot.buffer)
+            sync()
             snap_gbps.append(nbytes / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
             dst.copy_(src)
+            sync()
             memcpy_gbps.append(nbytes / (time.perf_counter() - t0) / 1e9)
     dist.barrier()
     rep.close()
     return {
         "rank": rank,
+        "backend": rep.backend,
+        "memory": rep.kind.value,
         "snapshot_bytes": state.layout.total_bytes,
         "num_params": sum(p.numel() for p in model.parameters()),
         "times_off": times["off"],
@@ -166,9 +196,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "rounds": args.rounds,
         "chunk_bytes": int(args.chunk_mb * 2**20) // 256 * 256,
+        "device": args.device,
     }
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this machine has no CUDA device")
     cfg = WorkerGroupConfig(
-        world_size=args.nproc, ranks_per_node=args.ranks_per_node, timeout_s=args.timeout
+        world_size=args.nproc,
+        ranks_per_node=args.ranks_per_node,
+        timeout_s=args.timeout,
+        backend="cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo",
     )
     results = run_local(_bench_rank, cfg, (params,))
     # A step is as slow as its slowest rank: take the per-step maximum over ranks.
@@ -186,6 +222,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "num_params": results[0]["num_params"],
         "world_size": args.nproc,
         "ranks_per_node": args.ranks_per_node,
+        "device": args.device,
+        "replication_backend": results[0]["backend"],
+        "replica_memory": results[0]["memory"],
         "snapshot_mib_per_rank": results[0]["snapshot_bytes"] / 2**20,
         "chunk_mib": params["chunk_bytes"] / 2**20,
         "replication_gbps": repl,
@@ -217,6 +256,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _table(r: dict[str, Any]) -> str:
     rows = [
         ("model", f"{r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['world_size']} ranks)"),
+        (
+            "where",
+            f"{r['device']}, replicas in {r['replica_memory']} memory over "
+            f"{r['replication_backend']}",
+        ),
         ("snapshot per rank", f"{r['snapshot_mib_per_rank']:.1f} MiB"),
         ("replication transfer", f"{r['replication_gbps']:.2f} GB/s"),
         ("raw send/recv", f"{r['raw_sendrecv_gbps']:.2f} GB/s"),

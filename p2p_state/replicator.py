@@ -501,6 +501,12 @@ class Replicator:
                 timeout_s=self.config.timeout_s,
                 on_chunk=progress,
             )
+            if self._cuda is not None:
+                # NCCL's waits only order the side stream: time the bytes, not their enqueue
+                # (this thread waits for them at the checksum anyway).
+                moved = self._cuda.new_event()
+                moved.record(self._stream)
+                moved.synchronize()
             t1 = time.perf_counter()
             digest = Checksum(own.is_cuda)
             digest.update(own, 0)

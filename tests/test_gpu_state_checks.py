@@ -108,3 +108,40 @@ def test_a_check_that_raised_is_printed_as_its_error_and_fails_the_run():
     assert gpu_check.passed(report) is False
     del report["stream_race"], report["rebuild_peak"]
     assert gpu_check.passed(report) is True
+
+
+def test_the_replication_and_kill_sections_are_printed_with_their_references():
+    replication = {
+        "replication_backend": "nccl",
+        "replica_memory": "gpu",
+        "snapshot_mib_per_rank": 96.0,
+        "round_gbps": 1.5,
+        "replication_gbps": 2.0,
+        "raw_sendrecv_gbps": 2.5,
+        "replication_vs_raw": 0.8,
+        "overhead_pct": 3.0,
+        "step_time_ms_off": 20.0,
+        "step_time_ms_on": 20.6,
+        "snapshot_vs_memcpy": 0.9,
+        "transport": "NCCL's socket transport (the ranks share a GPU)",
+    }
+    kill = {
+        "fault": gpu_check.KILL,
+        "passed": False,
+        "differences": ["rank 2: parameters differ"],
+        "downtime_s": 1.25,
+        "steps_lost": 1,
+        "restored_from": "peers",
+        "phases_ms": {"detect": 20.0, "transfer": 5.0},
+    }
+    report = {"device": "GPU", "num_gpus": 1, "replication": replication, "kill_and_recover": kill}
+    lines = gpu_check._table(report).splitlines()
+    assert lines[2].startswith("  replication      2.00 GB/s over nccl from gpu memory (0.80x raw")
+    assert lines[3] == "  step with it     20.6 ms against 20.0 ms without (+3.0 %)"
+    assert lines[4] == (
+        f"  kill + recover   {gpu_check.KILL}: FAILED rank 2: parameters differ; downtime 1.25 s,"
+        " 1 step(s) lost, restored from peers (detect 20, transfer 5 ms)"
+    )
+    assert gpu_check.passed(report) is False
+    kill["passed"] = True
+    assert gpu_check.passed(report) is True

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -16,7 +14,8 @@ from tests.p2p_state._workers import restore_from_replicas
 
 def replicate_on_gpu(memory: str, num_steps: int) -> dict:
     """Train on the GPU, replicate into ``memory``, restore every rank from its buddy."""
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    # The emulated nodes share this machine's GPUs: by global rank, one GPU per rank.
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     model = shard(build_model("tiny").cuda())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = TrainingState(model, opt)
