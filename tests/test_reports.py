@@ -1,4 +1,4 @@
-"""The fault benchmarks' report as named data: its JSON document, key for key, and back."""
+"""The benchmarks' reports as named data: their JSON documents, key for key, and back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from bench import fault_runs
+from bench.bench_reports import DataReport, HostInfo, ReplicateReport, RoundTimes
 from bench.faults import parse_fault
 from bench.phases import RecoveredFault, RestartedFault, SilentFault, UnmeasuredFault
 from bench.reports import (
@@ -356,3 +357,119 @@ def test_the_control_plane_report_puts_the_takeover_where_it_always_was():
         "takeover_unexpected_faults",
     ]
     assert report.to_json()["sizes"][0]["takeover_unexpected_faults"] == 2
+
+
+def _replicate() -> ReplicateReport:
+    return ReplicateReport(
+        model="tiny",
+        num_params=134_144,
+        world_size=4,
+        ranks_per_node=2,
+        device="cpu",
+        replication_backend="gloo",
+        replica_memory="host",
+        snapshot_mib_per_rank=0.654541015625,
+        chunk_mib=32.0,
+        replication_gbps=0.4,
+        raw_sendrecv_gbps=0.5,
+        round_gbps=0.1,
+        step_time_ms_off=80.0,
+        step_time_ms_on=100.0,
+        snapshot_gbps=1.5,
+        memcpy_gbps=20.0,
+        round_ms_in_training=RoundTimes(1.0, 0.5, 7.0, 12.0),
+        measured_steps_per_mode=3,
+        machine=HostInfo(2, "3.11.7", "2.13.0+cpu"),
+        command="p2p-bench replicate --model tiny --json",
+    )
+
+
+def test_the_replicate_report_has_the_keys_it_always_printed_and_its_ratios():
+    doc = _replicate().to_json()
+    assert list(doc) == [
+        "benchmark",
+        "model",
+        "num_params",
+        "world_size",
+        "ranks_per_node",
+        "device",
+        "replication_backend",
+        "replica_memory",
+        "snapshot_mib_per_rank",
+        "chunk_mib",
+        "replication_gbps",
+        "raw_sendrecv_gbps",
+        "replication_vs_raw",
+        "round_gbps",
+        "step_time_ms_off",
+        "step_time_ms_on",
+        "overhead_pct",
+        "snapshot_gbps",
+        "memcpy_gbps",
+        "snapshot_vs_memcpy",
+        "round_ms_in_training",
+        "measured_steps_per_mode",
+        "machine",
+        "command",
+    ]
+    assert doc["benchmark"] == "replicate"
+    assert doc["replication_vs_raw"] == 0.4 / 0.5
+    assert doc["overhead_pct"] == (100.0 / 80.0 - 1) * 100
+    assert doc["snapshot_vs_memcpy"] == 1.5 / 20.0
+    assert doc["round_ms_in_training"] == {
+        "copy": 1.0,
+        "checksum": 0.5,
+        "transfer": 7.0,
+        "headers_and_commit": 12.0,
+    }
+    assert doc["machine"] == {"cpus": 2, "python": "3.11.7", "torch": "2.13.0+cpu"}
+
+
+def test_the_replicate_report_reads_back_from_its_document():
+    doc = _roundtrip(_replicate().to_json())
+    back = ReplicateReport.from_json(doc)
+    assert back == _replicate()
+    assert _roundtrip(back.to_json()) == doc
+    del doc["round_gbps"]
+    with pytest.raises(KeyError, match="round_gbps"):
+        ReplicateReport.from_json(doc)
+
+
+def _data() -> DataReport:
+    return DataReport(
+        corpus_mb=2.0,
+        documents=1800,
+        samples=5436,
+        seq_len=64,
+        cache_build_s=0.2,
+        first_batch_from_source_s=0.08,
+        first_batch_from_cache_s=0.002,
+        samples_per_s_cache=110_000.0,
+        samples_per_s_source=66_000.0,
+        command="p2p-bench data --size-mb 2 --json",
+    )
+
+
+def test_the_data_report_has_the_keys_it_always_printed():
+    doc = _data().to_json()
+    assert list(doc) == [
+        "benchmark",
+        "corpus_mb",
+        "documents",
+        "samples",
+        "seq_len",
+        "cache_build_s",
+        "first_batch_from_source_s",
+        "first_batch_from_cache_s",
+        "first_batch_speedup",
+        "samples_per_s_cache",
+        "samples_per_s_source",
+        "command",
+    ]
+    assert doc["benchmark"] == "data" and doc["first_batch_speedup"] == 0.08 / 0.002
+
+
+def test_the_data_report_reads_back_from_its_document():
+    doc = _roundtrip(_data().to_json())
+    back = DataReport.from_json(doc)
+    assert back == _data() and _roundtrip(back.to_json()) == doc
