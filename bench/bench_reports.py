@@ -1,4 +1,4 @@
-"""The reports of ``p2p-bench replicate`` and ``data``, as named data.
+"""The reports of ``p2p-bench replicate``, ``data`` and ``gpu-check``, as named data.
 
 As in :mod:`bench.reports`, each report's ``to_json()`` is the document its bench prints
 (``--json``) and writes (``report.json``): the keys, their order and their values are the
@@ -9,9 +9,9 @@ reads one back. Ratios of two figures of the same run are properties, written be
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from bench.reports import Json
+from bench.reports import Json, Machine
 
 
 @dataclass(slots=True)
@@ -165,3 +165,112 @@ class DataReport:
     def from_json(cls, doc: Json) -> DataReport:
         """A report read back from its document (``KeyError``: a key it needs is missing)."""
         return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls)})
+
+
+CheckResult = Json | list[Json]
+"""What a check of ``p2p-bench gpu-check`` measured, as it wrote it."""
+
+
+@dataclass(slots=True)
+class CheckError:
+    """A check of ``p2p-bench gpu-check`` that raised: no figures, and no verdict."""
+
+    error: str
+    """``Type: message``."""
+    traceback: str | None = None
+
+    def to_json(self) -> Json:
+        out: Json = {"error": self.error}
+        if self.traceback is not None:
+            out["traceback"] = self.traceback
+        return out
+
+    @staticmethod
+    def written_in(value: object) -> bool:
+        """Whether a section of a report's document is an error (a check's own figures may
+        hold an ``error`` beside their verdict, ``passed``)."""
+        return isinstance(value, dict) and "error" in value and "passed" not in value
+
+
+#: The keys of a gpu-check document before its checks.
+_GPU_CHECK_HEADER = ("benchmark", "cuda", "device", "num_gpus", "machine", "command")
+
+
+@dataclass(slots=True)
+class GpuCheckReport:
+    """``p2p-bench gpu-check`` on a machine with CUDA: each check's result, in the order run.
+
+    The bench writes the report after every check, so a run cut short leaves the checks it
+    finished and no :attr:`not_measured`.
+    """
+
+    device: str
+    """The CUDA device's name."""
+    num_gpus: int
+    machine: Machine
+    command: str
+    checks: dict[str, CheckResult | CheckError] = field(default_factory=dict)
+    """By name (``copies``, ``checksum``, ... ``unit_tests``): the check's own JSON value,
+    as :mod:`bench.gpu_check` and :mod:`bench.gpu_state_checks` return it, or its error."""
+    not_measured: list[str] | None = None
+    """What the run could not measure (``None``: the run has not finished)."""
+
+    def section(self, name: str) -> Json:
+        """A check's figures (empty if it did not run or raised)."""
+        value = self.checks.get(name)
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def errors(self) -> dict[str, CheckError]:
+        """The checks that raised, by name."""
+        return {k: v for k, v in self.checks.items() if isinstance(v, CheckError)}
+
+    @property
+    def passed(self) -> bool:
+        """Whether every check with a verdict passed (timings have none)."""
+        if self.errors or any("error" in self.section(name) for name in self.checks):
+            return False  # a check that raised has no verdict, and none is assumed
+        restores = self.checks.get("bitwise_restore", [])
+        return bool(
+            self.section("unit_tests").get("passed", True)
+            and all(r["passed"] for r in (restores if isinstance(restores, list) else []))
+            and self.section("stream_race").get("passed", True)
+            and self.section("kill_and_recover").get("passed", True)
+        )
+
+    def to_json(self) -> Json:
+        """The document ``p2p-bench gpu-check`` writes (``report.json``) and prints."""
+        out: Json = {
+            "benchmark": "gpu-check",
+            "cuda": True,
+            "device": self.device,
+            "num_gpus": self.num_gpus,
+            "machine": self.machine.to_json(),
+            "command": self.command,
+        }
+        for name, value in self.checks.items():
+            out[name] = value.to_json() if isinstance(value, CheckError) else value
+        if self.not_measured is not None:
+            out["not_measured"] = self.not_measured
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Json) -> GpuCheckReport:
+        """A report read back from its document, one cut short included (``KeyError``: a key
+        of the header is missing, as in the document of a machine without CUDA)."""
+        rest = {k: v for k, v in doc.items() if k not in _GPU_CHECK_HEADER}
+        not_measured = rest.pop("not_measured", None)
+        checks: dict[str, CheckResult | CheckError] = {
+            name: CheckError(value["error"], value.get("traceback"))
+            if CheckError.written_in(value)
+            else value
+            for name, value in rest.items()
+        }
+        return cls(
+            device=doc["device"],
+            num_gpus=doc["num_gpus"],
+            machine=Machine(**doc["machine"]),
+            command=doc["command"],
+            checks=checks,
+            not_measured=not_measured,
+        )

@@ -9,7 +9,14 @@ import json
 import pytest
 
 from bench import fault_runs
-from bench.bench_reports import DataReport, HostInfo, ReplicateReport, RoundTimes
+from bench.bench_reports import (
+    CheckError,
+    DataReport,
+    GpuCheckReport,
+    HostInfo,
+    ReplicateReport,
+    RoundTimes,
+)
 from bench.faults import parse_fault
 from bench.phases import RecoveredFault, RestartedFault, SilentFault, UnmeasuredFault
 from bench.reports import (
@@ -473,3 +480,55 @@ def test_the_data_report_reads_back_from_its_document():
     doc = _roundtrip(_data().to_json())
     back = DataReport.from_json(doc)
     assert back == _data() and _roundtrip(back.to_json()) == doc
+
+
+def _gpu_check() -> GpuCheckReport:
+    """A gpu-check run cut short after three checks, the second of which raised."""
+    return GpuCheckReport(
+        device="NVIDIA H200",
+        num_gpus=1,
+        machine=Machine("gpu-host", 16, "Linux-6.1-x86_64", "3.11.2", "2.5.1", "NVIDIA H200"),
+        command="p2p-bench gpu-check --mib 64",
+        checks={
+            "copies": {"bytes": 1 << 26, "d2d_gbps": 1000.0},
+            "checksum": CheckError("RuntimeError: no kernel", "Traceback ...\n"),
+            "bitwise_restore": [
+                {"variant": "capturable", "passed": False, "error": "RuntimeError: x"}
+            ],
+        },
+    )
+
+
+def test_the_gpu_check_report_has_its_header_then_each_check_in_the_order_run():
+    report = _gpu_check()
+    doc = report.to_json()
+    header = ["benchmark", "cuda", "device", "num_gpus", "machine", "command"]
+    assert list(doc) == [*header, "copies", "checksum", "bitwise_restore"]
+    assert doc["benchmark"] == "gpu-check" and doc["cuda"] is True
+    assert doc["machine"]["gpu"] == "NVIDIA H200"
+    assert doc["checksum"] == {"error": "RuntimeError: no kernel", "traceback": "Traceback ...\n"}
+    report.not_measured = ["replication and recovery across machines (one machine here)"]
+    assert list(report.to_json())[-1] == "not_measured"
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_the_gpu_check_report_reads_back_cut_short_or_finished(finished):
+    report = _gpu_check()
+    if finished:
+        report.not_measured = ["across machines"]
+    doc = _roundtrip(report.to_json())
+    back = GpuCheckReport.from_json(doc)
+    assert back == report and _roundtrip(back.to_json()) == doc
+    assert list(back.errors) == ["checksum"]  # a variant's own error is one of its figures
+    assert back.section("checksum") == {} and back.section("copies")["d2d_gbps"] == 1000.0
+    assert not back.passed
+
+
+def test_an_error_read_back_without_its_traceback_is_still_an_error():
+    doc = _roundtrip(_gpu_check().to_json())
+    doc["checksum"] = {"error": "RuntimeError: no kernel"}
+    back = GpuCheckReport.from_json(doc)
+    assert back.checks["checksum"] == CheckError("RuntimeError: no kernel")
+    assert back.to_json() == doc
+    with pytest.raises(KeyError, match="device"):
+        GpuCheckReport.from_json({"benchmark": "gpu-check", "cuda": False})
