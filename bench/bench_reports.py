@@ -1,4 +1,5 @@
-"""The reports of ``p2p-bench replicate``, ``data`` and ``gpu-check``, as named data.
+"""The reports of ``p2p-bench replicate``, ``data``, ``gpu-check`` and ``scale-report``, as named
+data.
 
 As in :mod:`bench.reports`, each report's ``to_json()`` is the document its bench prints
 (``--json``) and writes (``report.json``): the keys, their order and their values are the
@@ -12,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from bench.reports import Json, Machine
+from bench.scale_model import Input
 
 
 @dataclass(slots=True)
@@ -273,4 +275,167 @@ class GpuCheckReport:
             command=doc["command"],
             checks=checks,
             not_measured=not_measured,
+        )
+
+
+@dataclass(slots=True)
+class ScaleJob:
+    """The job ``p2p-bench scale-report`` models."""
+
+    gpus: int
+    gpus_per_node: int
+    model: str
+    """A preset's name, or ``custom`` (``--params``)."""
+    hardware: str
+    replicas: list[int]
+    """Every ``k`` modelled; the first is the headline's."""
+    checkpoint_every_min: float
+    fallback_checkpoint_every_min: float
+    storage: str
+    replica_memory: str
+    placement: str
+    step_s: float
+    state_gib_per_gpu: float
+
+
+@dataclass(slots=True)
+class ValidationRow:
+    """A modelled phase sum against the same one measured on this machine."""
+
+    name: str
+    kind: str
+    """``calibration``: the run the fixed costs come from; ``held-out``: one the model never
+    saw."""
+    predicted_s: float
+    measured_s: float
+    error_pct: float
+    """``100 * (predicted - measured) / measured``, one decimal."""
+
+
+@dataclass(slots=True)
+class WorstHeldOut:
+    """The held-out validation row furthest from its measurement."""
+
+    name: str
+    error_pct: float
+
+
+@dataclass(slots=True)
+class ScaleHeadline:
+    """The report's figures for its first ``k``; ranges are ``(low, high)`` from the inputs'
+    bounds."""
+
+    replicas: int
+    recovery_s: float
+    recovery_range_s: tuple[float, float]
+    downtime_reduction_pct: float
+    downtime_reduction_range_pct: tuple[float, float]
+    goodput_pct: float
+    goodput_range_pct: tuple[float, float]
+    goodput_restart_pct: float
+    goodput_restart_range_pct: tuple[float, float]
+    validation_worst_held_out: WorstHeldOut
+    validation_within_25_pct: int
+    validation_rows: int
+
+    @classmethod
+    def from_json(cls, doc: Json) -> ScaleHeadline:
+        values = {f.name: doc[f.name] for f in dataclasses.fields(cls)}
+        for name, value in values.items():
+            if name.endswith("_range_s") or name.endswith("_range_pct"):
+                values[name] = (value[0], value[1])
+        values["validation_worst_held_out"] = WorstHeldOut(**doc["validation_worst_held_out"])
+        return cls(**values)
+
+
+@dataclass(slots=True)
+class Scenario:
+    """One way of getting back to training after a fault (or a resize), modelled."""
+
+    recovery_s: float
+    """From the fault to training again."""
+    downtime_s: float
+    """What the job loses per fault, lost work included."""
+    recovery_gpu_fault_s: float | None = None
+    recovery_node_fault_s: float | None = None
+    phases_s: dict[str, float] | None = None
+    downtime_reduction_pct: float | None = None
+    """Against checkpoint-restart."""
+    note: str | None = None
+
+    def to_json(self) -> Json:
+        """The figures the scenario has, in field order."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(slots=True)
+class ScaleSize:
+    """The headline's ``k`` modelled at one of :data:`bench.scale_report.SIZES`."""
+
+    gpus: int
+    recovery_s: float
+    restart_downtime_s: float
+    control_plane: str
+    """Where the control plane's figure at this size comes from."""
+
+
+@dataclass(slots=True)
+class ScaleReport:
+    """``p2p-bench scale-report``: recovery time, goodput and memory of a job at scale,
+    modelled from figures measured here and published ones (``docs/scale-model.md``)."""
+
+    created: str
+    """UTC, ISO 8601, to the second."""
+    command: str
+    job: ScaleJob
+    headline: ScaleHeadline
+    inputs: dict[str, Input]
+    """Every input of the model at the job's size, by name, sorted."""
+    validation_inputs: dict[str, Input]
+    """The inputs of this machine the validation rows use."""
+    validation: list[ValidationRow]
+    scenarios: dict[str, Scenario]
+    goodput: dict[str, Json]
+    """Per scenario: a month of faults (:func:`bench.scale_goodput.simulate`'s figures) and
+    the overheads."""
+    memory: list[Json]
+    """Per ``k``: :func:`bench.scale_model.memory`."""
+    sensitivity: dict[str, list[Json]]
+    """Per result: :func:`bench.scale_model.sensitivity`'s rows, largest swing first."""
+    sizes: list[ScaleSize]
+
+    def to_json(self) -> Json:
+        """The document ``p2p-bench scale-report`` writes and prints."""
+        return {
+            "kind": "scale-report",
+            "created": self.created,
+            "command": self.command,
+            "job": dataclasses.asdict(self.job),
+            "headline": dataclasses.asdict(self.headline),
+            "inputs": {k: v.as_dict() for k, v in self.inputs.items()},
+            "validation_inputs": {k: v.as_dict() for k, v in self.validation_inputs.items()},
+            "validation": [dataclasses.asdict(row) for row in self.validation],
+            "scenarios": {k: v.to_json() for k, v in self.scenarios.items()},
+            "goodput": self.goodput,
+            "memory": self.memory,
+            "sensitivity": self.sensitivity,
+            "sizes": [dataclasses.asdict(size) for size in self.sizes],
+        }
+
+    @classmethod
+    def from_json(cls, doc: Json) -> ScaleReport:
+        """A report read back from its document (``KeyError``: a key it needs is missing)."""
+        return cls(
+            created=doc["created"],
+            command=doc["command"],
+            job=ScaleJob(**doc["job"]),
+            headline=ScaleHeadline.from_json(doc["headline"]),
+            inputs={k: Input(**v) for k, v in doc["inputs"].items()},
+            validation_inputs={k: Input(**v) for k, v in doc["validation_inputs"].items()},
+            validation=[ValidationRow(**row) for row in doc["validation"]],
+            scenarios={k: Scenario(**v) for k, v in doc["scenarios"].items()},
+            goodput=doc["goodput"],
+            memory=doc["memory"],
+            sensitivity=doc["sensitivity"],
+            sizes=[ScaleSize(**size) for size in doc["sizes"]],
         )

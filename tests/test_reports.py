@@ -16,6 +16,7 @@ from bench.bench_reports import (
     HostInfo,
     ReplicateReport,
     RoundTimes,
+    ScaleReport,
 )
 from bench.faults import parse_fault
 from bench.phases import RecoveredFault, RestartedFault, SilentFault, UnmeasuredFault
@@ -532,3 +533,109 @@ def test_an_error_read_back_without_its_traceback_is_still_an_error():
     assert back.to_json() == doc
     with pytest.raises(KeyError, match="device"):
         GpuCheckReport.from_json({"benchmark": "gpu-check", "cuda": False})
+
+
+@pytest.fixture(scope="module")
+def scale() -> ScaleReport:
+    """A scale report of 256 GPUs, as ``p2p-bench scale-report`` builds it (few trials)."""
+    from bench import scale_model, scale_report
+
+    parser = argparse.ArgumentParser()
+    scale_report.add_arguments(parser)
+    args = parser.parse_args(["--gpus", "256", "--replicas", "1,2", "--trials", "5"])
+    return scale_report.build_report(args, scale_model.load("measured"))
+
+
+def test_the_scale_report_has_the_keys_it_always_wrote_in_order(scale):
+    doc = scale.to_json()
+    assert list(doc) == [
+        "kind",
+        "created",
+        "command",
+        "job",
+        "headline",
+        "inputs",
+        "validation_inputs",
+        "validation",
+        "scenarios",
+        "goodput",
+        "memory",
+        "sensitivity",
+        "sizes",
+    ]
+    assert doc["kind"] == "scale-report"
+    assert list(doc["job"]) == [
+        "gpus",
+        "gpus_per_node",
+        "model",
+        "hardware",
+        "replicas",
+        "checkpoint_every_min",
+        "fallback_checkpoint_every_min",
+        "storage",
+        "replica_memory",
+        "placement",
+        "step_s",
+        "state_gib_per_gpu",
+    ]
+    assert list(doc["headline"]) == [
+        "replicas",
+        "recovery_s",
+        "recovery_range_s",
+        "downtime_reduction_pct",
+        "downtime_reduction_range_pct",
+        "goodput_pct",
+        "goodput_range_pct",
+        "goodput_restart_pct",
+        "goodput_restart_range_pct",
+        "validation_worst_held_out",
+        "validation_within_25_pct",
+        "validation_rows",
+    ]
+    assert list(doc["headline"]["validation_worst_held_out"]) == ["name", "error_pct"]
+    assert list(doc["inputs"]) == sorted(doc["inputs"])
+    assert list(doc["validation"][0]) == [
+        "name",
+        "kind",
+        "predicted_s",
+        "measured_s",
+        "error_pct",
+    ]
+    assert list(doc["sizes"][0]) == ["gpus", "recovery_s", "restart_downtime_s", "control_plane"]
+    assert list(doc["sensitivity"]) == ["recovery_s", "downtime_reduction_pct"]
+
+
+def test_each_scale_scenario_writes_only_the_figures_it_has_in_order(scale):
+    scenarios = scale.to_json()["scenarios"]
+    assert list(scenarios) == [
+        "checkpoint-restart",
+        "checkpointless k=1",
+        "checkpointless k=2",
+        "resize in place: shrink by a node",
+        "resize in place: grow by a node",
+        "torchft replica-group heal",
+    ]
+    assert list(scenarios["checkpoint-restart"]) == ["recovery_s", "downtime_s", "phases_s"]
+    assert list(scenarios["checkpointless k=1"]) == [
+        "recovery_s",
+        "downtime_s",
+        "recovery_gpu_fault_s",
+        "recovery_node_fault_s",
+        "phases_s",
+        "downtime_reduction_pct",
+    ]
+    assert list(scenarios["resize in place: grow by a node"]) == [
+        "recovery_s",
+        "downtime_s",
+        "phases_s",
+    ]
+    assert list(scenarios["torchft replica-group heal"]) == ["recovery_s", "downtime_s", "note"]
+
+
+def test_the_scale_report_reads_back_from_its_document(scale):
+    doc = _roundtrip(scale.to_json())
+    back = ScaleReport.from_json(doc)
+    assert _roundtrip(back.to_json()) == doc
+    assert back.headline == scale.headline and back.validation == scale.validation
+    assert isinstance(back.headline.recovery_range_s, tuple)
+    assert back.inputs == scale.inputs and back.scenarios == scale.scenarios
