@@ -188,10 +188,10 @@ class CheckError:
         return out
 
     @staticmethod
-    def written_in(value: object) -> bool:
-        """Whether a section of a report's document is an error (a check's own figures may
-        hold an ``error`` beside their verdict, ``passed``)."""
-        return isinstance(value, dict) and "error" in value and "passed" not in value
+    def describes(section: object) -> bool:
+        """Whether a section of a report's document is the error of a check that raised (a
+        check's own figures may hold an ``error`` beside their verdict, ``passed``)."""
+        return isinstance(section, dict) and "error" in section and "passed" not in section
 
 
 #: The keys of a gpu-check document before its checks.
@@ -230,8 +230,10 @@ class GpuCheckReport:
     @property
     def passed(self) -> bool:
         """Whether every check with a verdict passed (timings have none)."""
+        # A check that raised has no verdict, and none is assumed; nor is one for figures
+        # that hold an error.
         if self.errors or any("error" in self.section(name) for name in self.checks):
-            return False  # a check that raised has no verdict, and none is assumed
+            return False
         restores = self.checks.get("bitwise_restore", [])
         return bool(
             self.section("unit_tests").get("passed", True)
@@ -264,7 +266,7 @@ class GpuCheckReport:
         not_measured = rest.pop("not_measured", None)
         checks: dict[str, CheckResult | CheckError] = {
             name: CheckError(value["error"], value.get("traceback"))
-            if CheckError.written_in(value)
+            if CheckError.describes(value)
             else value
             for name, value in rest.items()
         }
