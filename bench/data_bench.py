@@ -19,7 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from bench.bench_reports import DataReport
 
 _WORDS = [f"w{i:04d}" for i in range(4096)]
 
@@ -62,8 +63,8 @@ def _write_corpus(path: Path, size_bytes: int) -> int:
     return docs
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark; returns the report."""
+def measure(args: argparse.Namespace) -> DataReport:
+    """Run the benchmark; returns its report."""
     import numpy as np
 
     from dataload.cache import CacheConfig, open_source
@@ -119,20 +120,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             source_rate = count / source_first_s
         finally:
             shutil.rmtree(cache_root, ignore_errors=True)
-    return {
-        "benchmark": "data",
-        "corpus_mb": args.size_mb,
-        "documents": docs,
-        "samples": count,
-        "seq_len": args.seq_len,
-        "cache_build_s": build_s,
-        "first_batch_from_source_s": source_first_s,
-        "first_batch_from_cache_s": cache_first_s,
-        "first_batch_speedup": source_first_s / cache_first_s,
-        "samples_per_s_cache": cache_rate,
-        "samples_per_s_source": source_rate,
-        "command": "p2p-bench data " + " ".join(sys.argv[2:]),
-    }
+    return DataReport(
+        corpus_mb=args.size_mb,
+        documents=docs,
+        samples=count,
+        seq_len=args.seq_len,
+        cache_build_s=build_s,
+        first_batch_from_source_s=source_first_s,
+        first_batch_from_cache_s=cache_first_s,
+        samples_per_s_cache=cache_rate,
+        samples_per_s_source=source_rate,
+        command="p2p-bench data " + " ".join(sys.argv[2:]),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,12 +145,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     r = measure(args)
     if args.json:
-        print(json.dumps(r))
+        print(json.dumps(r.to_json()))
         return 0
-    print(f"corpus {r['corpus_mb']:.0f} MB, {r['samples']} samples of {r['seq_len']} tokens")
-    print(f"first batch, re-read + re-tokenise: {r['first_batch_from_source_s'] * 1e3:10.1f} ms")
-    print(f"first batch, node cache:            {r['first_batch_from_cache_s'] * 1e3:10.1f} ms")
-    print(f"  speedup                           {r['first_batch_speedup']:10.0f} x")
-    print(f"samples/s from the cache:           {r['samples_per_s_cache']:10.0f}")
-    print(f"samples/s from the source:          {r['samples_per_s_source']:10.0f}")
+    print(f"corpus {r.corpus_mb:.0f} MB, {r.samples} samples of {r.seq_len} tokens")
+    print(f"first batch, re-read + re-tokenise: {r.first_batch_from_source_s * 1e3:10.1f} ms")
+    print(f"first batch, node cache:            {r.first_batch_from_cache_s * 1e3:10.1f} ms")
+    print(f"  speedup                           {r.first_batch_speedup:10.0f} x")
+    print(f"samples/s from the cache:           {r.samples_per_s_cache:10.0f}")
+    print(f"samples/s from the source:          {r.samples_per_s_source:10.0f}")
     return 0

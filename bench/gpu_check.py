@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from bench.fault_runs import UsageError, machine_info
+from bench.bench_reports import CheckError, CheckResult, GpuCheckReport, ReplicateReport
+from bench.fault_runs import UsageError, machine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,17 +56,15 @@ def run(args: argparse.Namespace) -> int:
         line = "gpu-check: no CUDA device on this machine; nothing to check"
         print(json.dumps({"benchmark": "gpu-check", "cuda": False}) if args.json else line)
         return 0
-    report: dict[str, Any] = {
-        "benchmark": "gpu-check",
-        "cuda": True,
-        "device": torch.cuda.get_device_name(),
-        "num_gpus": torch.cuda.device_count(),
-        "machine": machine_info(),
-        "command": " ".join(["p2p-bench", *sys.argv[1:]]),
-    }
+    report = GpuCheckReport(
+        device=torch.cuda.get_device_name(),
+        num_gpus=torch.cuda.device_count(),
+        machine=machine(),
+        command=" ".join(["p2p-bench", *sys.argv[1:]]),
+    )
     folder = Path(args.out)
     device = torch.device("cuda", torch.cuda.current_device())
-    checks: dict[str, Callable[[], Any]] = {
+    checks: dict[str, Callable[[], CheckResult]] = {
         "copies": lambda: _copies(args.mib << 20, args.repeats),
         "checksum": lambda: _checksums(args.mib << 20, args.repeats),
         "pinned_alloc": _pinned_alloc,
@@ -76,34 +75,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_tests:  # last: the longest, and the measurements need not wait for it
         checks["unit_tests"] = lambda: _unit_tests(folder)
     for name, check in checks.items():
-        report[name] = _guarded(check)
+        report.checks[name] = _guarded(check)
         _write_json(report, folder)  # a run cut short still leaves what it measured
-    report["not_measured"] = ["replication and recovery across machines (one machine here)"]
+    report.not_measured = ["replication and recovery across machines (one machine here)"]
     _write_json(report, folder)
     (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
-    print(json.dumps(report) if args.json else _table(report))
-    return 0 if passed(report) else 1
+    print(json.dumps(report.to_json()) if args.json else _table(report))
+    return 0 if report.passed else 1
 
 
-def _guarded(check: Callable[[], Any]) -> Any:
-    """The check's result, or ``{"error": ...}`` if it raised: one broken check (a first run on
-    a new machine) must not lose the others' figures."""
+def _guarded(check: Callable[[], CheckResult]) -> CheckResult | CheckError:
+    """The check's result, or its error if it raised: one broken check (a first run on a new
+    machine) must not lose the others' figures."""
     try:
         return check()
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-
-
-def passed(report: dict[str, Any]) -> bool:
-    """Whether every check with a verdict passed (timings have none)."""
-    if any(isinstance(v, dict) and "error" in v for v in report.values()):
-        return False  # a check that raised has no verdict, and none is assumed
-    return bool(
-        report.get("unit_tests", {}).get("passed", True)
-        and all(r["passed"] for r in report.get("bitwise_restore", []))
-        and report.get("stream_race", {}).get("passed", True)
-        and report.get("kill_and_recover", {}).get("passed", True)
-    )
+        return CheckError(f"{type(e).__name__}: {e}", traceback.format_exc())
 
 
 def _state_checks(device: torch.device, preset: str) -> dict[str, Callable[[], Any]]:
@@ -186,13 +173,13 @@ def _replication(folder: Path, preset: str, nproc: int = 2) -> dict[str, Any]:
     args = ["replicate", "--json", "--device", "cuda", "--model", preset]
     args += ["--nproc", str(nproc), "--ranks-per-node", "1", "--timeout", str(RUN_TIMEOUT_S)]
     lines = _bench(args, folder / "replication.log", RUN_TIMEOUT_S)
-    r = json.loads(lines[-1])
+    r = ReplicateReport.from_json(json.loads(lines[-1]))
     keep = [
         *("replication_backend", "replica_memory", "snapshot_mib_per_rank", "round_gbps"),
         *("replication_gbps", "raw_sendrecv_gbps", "replication_vs_raw", "overhead_pct"),
         *("step_time_ms_off", "step_time_ms_on", "snapshot_vs_memcpy"),
     ]
-    out = {k: r[k] for k in keep}
+    out = {k: getattr(r, k) for k in keep}
     out["transport"] = (
         "NCCL's socket transport (the ranks share a GPU)"
         if torch.cuda.device_count() < nproc
@@ -333,17 +320,17 @@ def _pinned_bytes() -> int:
     return int(stats.get("allocated_bytes.current", 0))
 
 
-def _table(report: dict[str, Any]) -> str:
-    lines = [f"gpu-check on {report['device']} x{report['num_gpus']}"]
-    if "unit_tests" not in report:
+def _table(report: GpuCheckReport) -> str:
+    lines = [f"gpu-check on {report.device} x{report.num_gpus}"]
+    if "unit_tests" not in report.checks:
         lines.append("  unit tests       skipped (--skip-tests)")
     for name, render in _SECTIONS.items():
-        value = report.get(name)
-        if isinstance(value, dict) and "error" in value and "passed" not in value:
-            lines.append(f"  {name:<16} ERROR {value['error']}")
+        value = report.checks.get(name)
+        if isinstance(value, CheckError):
+            lines.append(f"  {name:<16} ERROR {value.error}")
         elif value is not None:
             lines += render(value)
-    lines.append("  not measured yet: " + "; ".join(report.get("not_measured", [])))
+    lines.append("  not measured yet: " + "; ".join(report.not_measured or []))
     return "\n".join(lines)
 
 
@@ -442,6 +429,6 @@ _SECTIONS: dict[str, Callable[[Any], list[str]]] = {
 """How each section of the report is printed, in order."""
 
 
-def _write_json(report: dict[str, Any], folder: Path) -> None:
+def _write_json(report: GpuCheckReport, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (folder / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")

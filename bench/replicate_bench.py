@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from bench.bench_reports import HostInfo, ReplicateReport, RoundTimes
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench replicate``."""
@@ -176,8 +178,8 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark and return the report as a dict."""
+def measure(args: argparse.Namespace) -> ReplicateReport:
+    """Run the benchmark and return its report."""
     import os
     import platform
 
@@ -211,74 +213,60 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     off = [max(r["times_off"][i] for r in results) for i in range(len(results[0]["times_off"]))]
     on = [max(r["times_on"][i] for r in results) for i in range(len(results[0]["times_on"]))]
     rounds = [row for r in results for row in r["rounds"]]
-    repl = _median([g for r in results for g in r["replication_gbps"]])
-    raw = _median([g for r in results for g in r["raw_sendrecv_gbps"]])
-    snap = _median(results[0]["snapshot_gbps"])
-    memcpy = _median(results[0]["memcpy_gbps"])
-    step_off, step_on = _median(off) * 1e3, _median(on) * 1e3
-    return {
-        "benchmark": "replicate",
-        "model": args.model,
-        "num_params": results[0]["num_params"],
-        "world_size": args.nproc,
-        "ranks_per_node": args.ranks_per_node,
-        "device": args.device,
-        "replication_backend": results[0]["backend"],
-        "replica_memory": results[0]["memory"],
-        "snapshot_mib_per_rank": results[0]["snapshot_bytes"] / 2**20,
-        "chunk_mib": params["chunk_bytes"] / 2**20,
-        "replication_gbps": repl,
-        "raw_sendrecv_gbps": raw,
-        "replication_vs_raw": repl / raw,
-        "round_gbps": _median([g for r in results for g in r["round_gbps"]]),
-        "step_time_ms_off": step_off,
-        "step_time_ms_on": step_on,
-        "overhead_pct": (step_on / step_off - 1) * 100,
-        "snapshot_gbps": snap,
-        "memcpy_gbps": memcpy,
-        "snapshot_vs_memcpy": snap / memcpy,
-        "round_ms_in_training": {
-            "copy": _median([r[0] for r in rounds]) * 1e3,
-            "checksum": _median([r[1] for r in rounds]) * 1e3,
-            "transfer": _median([r[2] for r in rounds]) * 1e3,
-            "headers_and_commit": _median([r[3] for r in rounds]) * 1e3,
-        },
-        "measured_steps_per_mode": len(off),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
-        "command": "p2p-bench replicate " + " ".join(sys.argv[2:]),
-    }
+    return ReplicateReport(
+        model=args.model,
+        num_params=results[0]["num_params"],
+        world_size=args.nproc,
+        ranks_per_node=args.ranks_per_node,
+        device=args.device,
+        replication_backend=results[0]["backend"],
+        replica_memory=results[0]["memory"],
+        snapshot_mib_per_rank=results[0]["snapshot_bytes"] / 2**20,
+        chunk_mib=params["chunk_bytes"] / 2**20,
+        replication_gbps=_median([g for r in results for g in r["replication_gbps"]]),
+        raw_sendrecv_gbps=_median([g for r in results for g in r["raw_sendrecv_gbps"]]),
+        round_gbps=_median([g for r in results for g in r["round_gbps"]]),
+        step_time_ms_off=_median(off) * 1e3,
+        step_time_ms_on=_median(on) * 1e3,
+        snapshot_gbps=_median(results[0]["snapshot_gbps"]),
+        memcpy_gbps=_median(results[0]["memcpy_gbps"]),
+        round_ms_in_training=RoundTimes(
+            copy=_median([r[0] for r in rounds]) * 1e3,
+            checksum=_median([r[1] for r in rounds]) * 1e3,
+            transfer=_median([r[2] for r in rounds]) * 1e3,
+            headers_and_commit=_median([r[3] for r in rounds]) * 1e3,
+        ),
+        measured_steps_per_mode=len(off),
+        machine=HostInfo(os.cpu_count(), platform.python_version(), torch.__version__),
+        command="p2p-bench replicate " + " ".join(sys.argv[2:]),
+    )
 
 
-def _table(r: dict[str, Any]) -> str:
+def _table(r: ReplicateReport) -> str:
     rows = [
-        ("model", f"{r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['world_size']} ranks)"),
+        ("model", f"{r.model} ({r.num_params / 1e6:.1f}M params, {r.world_size} ranks)"),
         (
             "where",
-            f"{r['device']}, replicas in {r['replica_memory']} memory over "
-            f"{r['replication_backend']}",
+            f"{r.device}, replicas in {r.replica_memory} memory over {r.replication_backend}",
         ),
-        ("snapshot per rank", f"{r['snapshot_mib_per_rank']:.1f} MiB"),
-        ("replication transfer", f"{r['replication_gbps']:.2f} GB/s"),
-        ("raw send/recv", f"{r['raw_sendrecv_gbps']:.2f} GB/s"),
-        ("  replication / raw", f"{r['replication_vs_raw']:.2f}"),
-        ("whole round", f"{r['round_gbps']:.2f} GB/s (+ checksum, headers, commit)"),
-        ("step, replication off", f"{r['step_time_ms_off']:.0f} ms"),
-        ("step, replication on", f"{r['step_time_ms_on']:.0f} ms"),
-        ("  overhead", f"{r['overhead_pct']:+.1f} %"),
-        ("snapshot copy", f"{r['snapshot_gbps']:.2f} GB/s"),
-        ("plain memcpy", f"{r['memcpy_gbps']:.2f} GB/s"),
-        ("  snapshot / memcpy", f"{r['snapshot_vs_memcpy']:.2f}"),
+        ("snapshot per rank", f"{r.snapshot_mib_per_rank:.1f} MiB"),
+        ("replication transfer", f"{r.replication_gbps:.2f} GB/s"),
+        ("raw send/recv", f"{r.raw_sendrecv_gbps:.2f} GB/s"),
+        ("  replication / raw", f"{r.replication_vs_raw:.2f}"),
+        ("whole round", f"{r.round_gbps:.2f} GB/s (+ checksum, headers, commit)"),
+        ("step, replication off", f"{r.step_time_ms_off:.0f} ms"),
+        ("step, replication on", f"{r.step_time_ms_on:.0f} ms"),
+        ("  overhead", f"{r.overhead_pct:+.1f} %"),
+        ("snapshot copy", f"{r.snapshot_gbps:.2f} GB/s"),
+        ("plain memcpy", f"{r.memcpy_gbps:.2f} GB/s"),
+        ("  snapshot / memcpy", f"{r.snapshot_vs_memcpy:.2f}"),
     ]
-    t = r["round_ms_in_training"]
+    t = r.round_ms_in_training
     rows.append(
         (
             "round while training",
-            f"copy {t['copy']:.0f} ms, checksum {t['checksum']:.0f} ms, "
-            f"transfer {t['transfer']:.0f} ms, headers+commit {t['headers_and_commit']:.0f} ms",
+            f"copy {t.copy:.0f} ms, checksum {t.checksum:.0f} ms, "
+            f"transfer {t.transfer:.0f} ms, headers+commit {t.headers_and_commit:.0f} ms",
         )
     )
     width = max(len(k) for k, _ in rows)
@@ -292,5 +280,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"p2p-bench replicate: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=None if args.json else 2) if args.json else _table(report))
+    print(json.dumps(report.to_json()) if args.json else _table(report))
     return 0

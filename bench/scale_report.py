@@ -19,6 +19,15 @@ from typing import Any
 
 from bench import scale_goodput as gp
 from bench import scale_model as sm
+from bench.bench_reports import (
+    ScaleHeadline,
+    ScaleJob,
+    ScaleReport,
+    ScaleSize,
+    Scenario,
+    ValidationRow,
+    WorstHeldOut,
+)
 from bench.fault_runs import UsageError
 from bench.scale_model import Input, Inputs, Job
 
@@ -188,7 +197,7 @@ def _err(pred: float, meas: float) -> float:
     return round(100.0 * (pred - meas) / meas, 1) if meas else float("nan")
 
 
-def validation(measured: dict[str, Any]) -> list[dict[str, Any]]:
+def validation(measured: dict[str, Any]) -> list[ValidationRow]:
     """Predicted against measured phase sums on this machine. ``calibration`` rows are the
     run the fixed costs come from; ``held-out`` rows are runs the model never saw."""
     inp, _ = machine_inputs(measured)
@@ -248,16 +257,7 @@ def validation(measured: dict[str, Any]) -> list[dict[str, Any]]:
                 d["restart_and_load_s"],
             )
         )
-    return [
-        {
-            "name": n,
-            "kind": k,
-            "predicted_s": round(p, 4),
-            "measured_s": round(m, 4),
-            "error_pct": _err(p, m),
-        }
-        for n, k, p, m in rows
-    ]
+    return [ValidationRow(n, k, round(p, 4), round(m, 4), _err(p, m)) for n, k, p, m in rows]
 
 
 def _recovery(inp: Inputs, job: Job) -> dict[str, dict[str, float]]:
@@ -297,8 +297,8 @@ def _analytic_goodput(inp: Inputs, job: Job, engine: bool) -> float:
     return gp.goodput(faults * _restart_downtime_s(inp, job), ckpt)
 
 
-def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
-    """The whole report object (see the schema in ``docs/scale-model.md``)."""
+def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> ScaleReport:
+    """The whole report (its document's schema is in ``docs/scale-model.md``)."""
     ks = _replicas(args.replicas)
     if args.gpus < 2 * args.gpus_per_node or args.gpus % args.gpus_per_node:
         raise UsageError(
@@ -318,12 +318,10 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
     )
     restart = sm.restart_phases(inp, base)
     restart_s = sum(restart.values())
-    scenarios: dict[str, Any] = {
-        "checkpoint-restart": {
-            "recovery_s": restart_s - restart["lost work"],
-            "downtime_s": restart_s,
-            "phases_s": restart,
-        }
+    scenarios = {
+        "checkpoint-restart": Scenario(
+            recovery_s=restart_s - restart["lost work"], downtime_s=restart_s, phases_s=restart
+        )
     }
     goodput: dict[str, Any] = {}
     memory = []
@@ -349,14 +347,14 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
         downtime = (1 - p_lost) * rec_s + p_lost * cold_s
         repl, ckpt = _overheads(inp, job)
         name = f"checkpointless k={k}"
-        scenarios[name] = {
-            "recovery_s": rec_s,
-            "downtime_s": downtime,
-            "recovery_gpu_fault_s": sum(rec["gpu_fault"].values()),
-            "recovery_node_fault_s": window,
-            "phases_s": rec["expected"],
-            "downtime_reduction_pct": 100.0 * (1 - downtime / restart_s),
-        }
+        scenarios[name] = Scenario(
+            recovery_s=rec_s,
+            downtime_s=downtime,
+            recovery_gpu_fault_s=sum(rec["gpu_fault"].values()),
+            recovery_node_fault_s=window,
+            phases_s=rec["expected"],
+            downtime_reduction_pct=100.0 * (1 - downtime / restart_s),
+        )
         mc["copies_lost_fraction_analytic"] = p_lost
         mc["replication_overhead"] = repl
         mc["checkpoint_overhead"] = ckpt
@@ -374,11 +372,9 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
         ),
     ):
         phases = sm.resize_phases(inp, job, to)
-        scenarios[label] = {
-            "recovery_s": sum(phases.values()),
-            "downtime_s": sum(phases.values()),
-            "phases_s": phases,
-        }
+        scenarios[label] = Scenario(
+            recovery_s=sum(phases.values()), downtime_s=sum(phases.values()), phases_s=phases
+        )
     mean_faults = goodput[f"checkpointless k={ks[0]}"]["faults_per_period"]
     ckpt = _overheads(inp, base)[1]
     goodput["checkpoint-restart"] = {
@@ -390,13 +386,13 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
     }
     heal = sm.torchft_heal_s(inp)
     groups = max(1, args.gpus // max(1, base.gpus_per_node * 8))
-    scenarios["torchft replica-group heal"] = {
-        "recovery_s": heal,
-        "downtime_s": heal / groups + sm.step_time_s(inp, args.gpus),
-        "note": f"{groups} replica groups of {args.gpus // groups} GPUs: one group drops out "
+    scenarios["torchft replica-group heal"] = Scenario(
+        recovery_s=heal,
+        downtime_s=heal / groups + sm.step_time_s(inp, args.gpus),
+        note=f"{groups} replica groups of {args.gpus // groups} GPUs: one group drops out "
         "for the heal while the others train; downtime counts the group's share and the "
         "lost step",
-    }
+    )
     k1 = Job(**{**fallback.__dict__, "replicas": ks[0]})
     tornado = sm.sensitivity(inp, lambda i: _expected_recovery_s(i, k1))
     rec_base = _expected_recovery_s(inp, k1)
@@ -407,67 +403,66 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str
     red_rows = sm.sensitivity(inp, red)
     g_rows = sm.sensitivity(inp, lambda i: 100 * _analytic_goodput(i, k1, True))
     gr_rows = sm.sensitivity(inp, lambda i: 100 * _analytic_goodput(i, base, False))
-    headline = {
-        "replicas": ks[0],
-        "recovery_s": rec_base,
-        "recovery_range_s": sm.uncertainty(rec_base, tornado),
-        "downtime_reduction_pct": red(inp),
-        "downtime_reduction_range_pct": sm.uncertainty(red(inp), red_rows),
-        "goodput_pct": 100 * goodput[f"checkpointless k={ks[0]}"]["goodput"],
-        "goodput_range_pct": sm.uncertainty(100 * _analytic_goodput(inp, k1, True), g_rows),
-        "goodput_restart_pct": 100 * goodput["checkpoint-restart"]["goodput"],
-        "goodput_restart_range_pct": sm.uncertainty(
-            100 * _analytic_goodput(inp, base, False), gr_rows
-        ),
-    }
     sizes = []
     for n in SIZES:
         ni = dict(inp)
         ni.update(sm.control_plane_inputs(measured, n))
         nj = Job(**{**k1.__dict__, "gpus": n})
         sizes.append(
-            {
-                "gpus": n,
-                "recovery_s": _expected_recovery_s(ni, nj),
-                "restart_downtime_s": _restart_downtime_s(ni, Job(**{**base.__dict__, "gpus": n})),
-                "control_plane": ni["generation_s"].source.split(", ")[-1],
-            }
+            ScaleSize(
+                gpus=n,
+                recovery_s=_expected_recovery_s(ni, nj),
+                restart_downtime_s=_restart_downtime_s(ni, Job(**{**base.__dict__, "gpus": n})),
+                control_plane=ni["generation_s"].source.split(", ")[-1],
+            )
         )
     m_inp, _ = machine_inputs(measured)
     rows = validation(measured)
-    held = [r for r in rows if r["kind"] == "held-out"]
-    worst = max(held, key=lambda r: abs(r["error_pct"]))
-    headline["validation_worst_held_out"] = {"name": worst["name"], "error_pct": worst["error_pct"]}
-    headline["validation_within_25_pct"] = sum(abs(r["error_pct"]) <= 25 for r in rows)
-    headline["validation_rows"] = len(rows)
-    return {
-        "kind": "scale-report",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "p2p-bench " + " ".join(sys.argv[1:]),
-        "job": {
-            "gpus": args.gpus,
-            "gpus_per_node": args.gpus_per_node,
-            "model": args.model if args.params is None else "custom",
-            "hardware": args.hardware,
-            "replicas": ks,
-            "checkpoint_every_min": args.checkpoint_every_min,
-            "fallback_checkpoint_every_min": args.fallback_checkpoint_every_min,
-            "storage": args.storage,
-            "replica_memory": args.replica_memory,
-            "placement": args.placement,
-            "step_s": sm.step_time_s(inp, args.gpus),
-            "state_gib_per_gpu": sm.state_bytes_per_gpu(inp, args.gpus) / 2**30,
-        },
-        "headline": headline,
-        "inputs": {k: v.as_dict() for k, v in sorted(inp.items())},
-        "validation_inputs": {k: v.as_dict() for k, v in sorted(m_inp.items())},
-        "validation": rows,
-        "scenarios": scenarios,
-        "goodput": goodput,
-        "memory": memory,
-        "sensitivity": {"recovery_s": tornado, "downtime_reduction_pct": red_rows},
-        "sizes": sizes,
-    }
+    held = [r for r in rows if r.kind == "held-out"]
+    worst = max(held, key=lambda r: abs(r.error_pct))
+    headline = ScaleHeadline(
+        replicas=ks[0],
+        recovery_s=rec_base,
+        recovery_range_s=sm.uncertainty(rec_base, tornado),
+        downtime_reduction_pct=red(inp),
+        downtime_reduction_range_pct=sm.uncertainty(red(inp), red_rows),
+        goodput_pct=100 * goodput[f"checkpointless k={ks[0]}"]["goodput"],
+        goodput_range_pct=sm.uncertainty(100 * _analytic_goodput(inp, k1, True), g_rows),
+        goodput_restart_pct=100 * goodput["checkpoint-restart"]["goodput"],
+        goodput_restart_range_pct=sm.uncertainty(
+            100 * _analytic_goodput(inp, base, False), gr_rows
+        ),
+        validation_worst_held_out=WorstHeldOut(worst.name, worst.error_pct),
+        validation_within_25_pct=sum(abs(r.error_pct) <= 25 for r in rows),
+        validation_rows=len(rows),
+    )
+    return ScaleReport(
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        command="p2p-bench " + " ".join(sys.argv[1:]),
+        job=ScaleJob(
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            model=args.model if args.params is None else "custom",
+            hardware=args.hardware,
+            replicas=ks,
+            checkpoint_every_min=args.checkpoint_every_min,
+            fallback_checkpoint_every_min=args.fallback_checkpoint_every_min,
+            storage=args.storage,
+            replica_memory=args.replica_memory,
+            placement=args.placement,
+            step_s=sm.step_time_s(inp, args.gpus),
+            state_gib_per_gpu=sm.state_bytes_per_gpu(inp, args.gpus) / 2**30,
+        ),
+        headline=headline,
+        inputs=dict(sorted(inp.items())),
+        validation_inputs=dict(sorted(m_inp.items())),
+        validation=rows,
+        scenarios=scenarios,
+        goodput=goodput,
+        memory=memory,
+        sensitivity={"recovery_s": tornado, "downtime_reduction_pct": red_rows},
+        sizes=sizes,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -476,17 +471,17 @@ def run(args: argparse.Namespace) -> int:
 
     report = build_report(args, sm.load("measured"))
     out = Path(args.out_dir or f"reports/scale-{time.strftime('%Y%m%d-%H%M%S')}")
-    written = scale_render.write(report, out, plots=not args.no_plots)
+    written = scale_render.write(report.to_json(), out, plots=not args.no_plots)
     if args.json:
-        print(json.dumps(report, default=str))
+        print(json.dumps(report.to_json(), default=str))
         return 0
-    h = report["headline"]
-    lo, hi = h["recovery_range_s"]
+    h = report.headline
+    lo, hi = h.recovery_range_s
     print(
-        f"p2p-bench scale-report: {args.gpus} GPUs, {report['job']['model']}, k={h['replicas']}:"
-        f" recovery {h['recovery_s']:.1f} s ({lo:.1f}-{hi:.1f}),"
-        f" {h['downtime_reduction_pct']:.1f} % less downtime per fault than checkpoint-restart,"
-        f" goodput {h['goodput_pct']:.2f} % vs {h['goodput_restart_pct']:.2f} %"
+        f"p2p-bench scale-report: {args.gpus} GPUs, {report.job.model}, k={h.replicas}:"
+        f" recovery {h.recovery_s:.1f} s ({lo:.1f}-{hi:.1f}),"
+        f" {h.downtime_reduction_pct:.1f} % less downtime per fault than checkpoint-restart,"
+        f" goodput {h.goodput_pct:.2f} % vs {h.goodput_restart_pct:.2f} %"
     )
     print(f"  wrote {', '.join(str(p) for p in written)}")
     return 0

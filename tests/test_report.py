@@ -281,3 +281,43 @@ def test_spares_cover_a_rank_and_all_its_k_holders():
     buddies = [parse_fault("kill-buddies:rank=1@step=3")]
     assert spares_for(buddies, 2, 2) == [1, 1]
     assert spares_for(buddies, 2, 2, replicas=2) == [2, 1]
+
+
+def _gpu_check_cut_short() -> dict:
+    """The ``report.json`` of a gpu-check run cut short: two checks, the second one raised."""
+    from bench.bench_reports import CheckError, GpuCheckReport
+    from bench.reports import Machine
+
+    report = GpuCheckReport(
+        device="NVIDIA H200",
+        num_gpus=1,
+        machine=Machine("gpu-host", 16, "Linux-6.1-x86_64", "3.11.2", "2.5.1", "NVIDIA H200"),
+        command="p2p-bench gpu-check",
+        checks={
+            "copies": {"bytes": 1 << 26, "d2d_gbps": 1000.0},
+            "checksum": CheckError("RuntimeError: no kernel", "Traceback ...\n"),
+        },
+    )
+    return json.loads(json.dumps(report.to_json()))
+
+
+@pytest.mark.parametrize("kind", ["gpu-check cut short", "sections that are errors"])
+def test_a_partial_report_or_one_with_errors_renders_without_a_traceback(report, tmp_path, kind):
+    if kind == "gpu-check cut short":
+        doc = _gpu_check_cut_short()
+    else:
+        doc = report
+        doc["modes"]["checkpointless"] = {"error": "RuntimeError: boom", "traceback": "T"}
+        doc["modes"]["restart"]["faults"] = {"error": "RuntimeError: no faults"}
+        doc["modes"]["restart"]["timeline"] = {"error": "RuntimeError: no timeline"}
+        doc["summary"] = {"error": "RuntimeError: no summary"}
+        doc["job"] = {"error": "RuntimeError: no job"}
+    paths = write_report(doc, tmp_path)
+    assert [p.name for p in paths] == FILES
+    assert json.loads((tmp_path / "report.json").read_text()) == doc
+    md = (tmp_path / "report.md").read_text()
+    assert "| bitwise check | not checked |" in md and "| model | n/a |" in md
+    if kind == "gpu-check cut short":
+        assert "| gpu | NVIDIA H200 |" in md and "p2p-bench gpu-check" in md
+    else:
+        assert "The run failed:" in md and "RuntimeError: boom" in md

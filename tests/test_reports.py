@@ -1,4 +1,4 @@
-"""The fault benchmarks' report as named data: its JSON document, key for key, and back."""
+"""The benchmarks' reports as named data: their JSON documents, key for key, and back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ import json
 import pytest
 
 from bench import fault_runs
+from bench.bench_reports import (
+    CheckError,
+    DataReport,
+    GpuCheckReport,
+    HostInfo,
+    ReplicateReport,
+    RoundTimes,
+    ScaleReport,
+)
 from bench.faults import parse_fault
 from bench.phases import RecoveredFault, RestartedFault, SilentFault, UnmeasuredFault
 from bench.reports import (
@@ -356,3 +365,277 @@ def test_the_control_plane_report_puts_the_takeover_where_it_always_was():
         "takeover_unexpected_faults",
     ]
     assert report.to_json()["sizes"][0]["takeover_unexpected_faults"] == 2
+
+
+def _replicate() -> ReplicateReport:
+    return ReplicateReport(
+        model="tiny",
+        num_params=134_144,
+        world_size=4,
+        ranks_per_node=2,
+        device="cpu",
+        replication_backend="gloo",
+        replica_memory="host",
+        snapshot_mib_per_rank=0.654541015625,
+        chunk_mib=32.0,
+        replication_gbps=0.4,
+        raw_sendrecv_gbps=0.5,
+        round_gbps=0.1,
+        step_time_ms_off=80.0,
+        step_time_ms_on=100.0,
+        snapshot_gbps=1.5,
+        memcpy_gbps=20.0,
+        round_ms_in_training=RoundTimes(1.0, 0.5, 7.0, 12.0),
+        measured_steps_per_mode=3,
+        machine=HostInfo(2, "3.11.7", "2.13.0+cpu"),
+        command="p2p-bench replicate --model tiny --json",
+    )
+
+
+def test_the_replicate_report_has_the_keys_it_always_printed_and_its_ratios():
+    doc = _replicate().to_json()
+    assert list(doc) == [
+        "benchmark",
+        "model",
+        "num_params",
+        "world_size",
+        "ranks_per_node",
+        "device",
+        "replication_backend",
+        "replica_memory",
+        "snapshot_mib_per_rank",
+        "chunk_mib",
+        "replication_gbps",
+        "raw_sendrecv_gbps",
+        "replication_vs_raw",
+        "round_gbps",
+        "step_time_ms_off",
+        "step_time_ms_on",
+        "overhead_pct",
+        "snapshot_gbps",
+        "memcpy_gbps",
+        "snapshot_vs_memcpy",
+        "round_ms_in_training",
+        "measured_steps_per_mode",
+        "machine",
+        "command",
+    ]
+    assert doc["benchmark"] == "replicate"
+    assert doc["replication_vs_raw"] == 0.4 / 0.5
+    assert doc["overhead_pct"] == (100.0 / 80.0 - 1) * 100
+    assert doc["snapshot_vs_memcpy"] == 1.5 / 20.0
+    assert doc["round_ms_in_training"] == {
+        "copy": 1.0,
+        "checksum": 0.5,
+        "transfer": 7.0,
+        "headers_and_commit": 12.0,
+    }
+    assert doc["machine"] == {"cpus": 2, "python": "3.11.7", "torch": "2.13.0+cpu"}
+
+
+def test_the_replicate_report_reads_back_from_its_document():
+    doc = _roundtrip(_replicate().to_json())
+    back = ReplicateReport.from_json(doc)
+    assert back == _replicate()
+    assert _roundtrip(back.to_json()) == doc
+    del doc["round_gbps"]
+    with pytest.raises(KeyError, match="round_gbps"):
+        ReplicateReport.from_json(doc)
+
+
+def _data() -> DataReport:
+    return DataReport(
+        corpus_mb=2.0,
+        documents=1800,
+        samples=5436,
+        seq_len=64,
+        cache_build_s=0.2,
+        first_batch_from_source_s=0.08,
+        first_batch_from_cache_s=0.002,
+        samples_per_s_cache=110_000.0,
+        samples_per_s_source=66_000.0,
+        command="p2p-bench data --size-mb 2 --json",
+    )
+
+
+def test_the_data_report_has_the_keys_it_always_printed():
+    doc = _data().to_json()
+    assert list(doc) == [
+        "benchmark",
+        "corpus_mb",
+        "documents",
+        "samples",
+        "seq_len",
+        "cache_build_s",
+        "first_batch_from_source_s",
+        "first_batch_from_cache_s",
+        "first_batch_speedup",
+        "samples_per_s_cache",
+        "samples_per_s_source",
+        "command",
+    ]
+    assert doc["benchmark"] == "data" and doc["first_batch_speedup"] == 0.08 / 0.002
+
+
+def test_the_data_report_reads_back_from_its_document():
+    doc = _roundtrip(_data().to_json())
+    back = DataReport.from_json(doc)
+    assert back == _data() and _roundtrip(back.to_json()) == doc
+
+
+def _gpu_check() -> GpuCheckReport:
+    """A gpu-check run cut short after three checks, the second of which raised."""
+    return GpuCheckReport(
+        device="NVIDIA H200",
+        num_gpus=1,
+        machine=Machine("gpu-host", 16, "Linux-6.1-x86_64", "3.11.2", "2.5.1", "NVIDIA H200"),
+        command="p2p-bench gpu-check --mib 64",
+        checks={
+            "copies": {"bytes": 1 << 26, "d2d_gbps": 1000.0},
+            "checksum": CheckError("RuntimeError: no kernel", "Traceback ...\n"),
+            "bitwise_restore": [
+                {"variant": "capturable", "passed": False, "error": "RuntimeError: x"}
+            ],
+        },
+    )
+
+
+def test_the_gpu_check_report_has_its_header_then_each_check_in_the_order_run():
+    report = _gpu_check()
+    doc = report.to_json()
+    header = ["benchmark", "cuda", "device", "num_gpus", "machine", "command"]
+    assert list(doc) == [*header, "copies", "checksum", "bitwise_restore"]
+    assert doc["benchmark"] == "gpu-check" and doc["cuda"] is True
+    assert doc["machine"]["gpu"] == "NVIDIA H200"
+    assert doc["checksum"] == {"error": "RuntimeError: no kernel", "traceback": "Traceback ...\n"}
+    report.not_measured = ["replication and recovery across machines (one machine here)"]
+    assert list(report.to_json())[-1] == "not_measured"
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_the_gpu_check_report_reads_back_cut_short_or_finished(finished):
+    report = _gpu_check()
+    if finished:
+        report.not_measured = ["across machines"]
+    doc = _roundtrip(report.to_json())
+    back = GpuCheckReport.from_json(doc)
+    assert back == report and _roundtrip(back.to_json()) == doc
+    assert list(back.errors) == ["checksum"]  # a variant's own error is one of its figures
+    assert back.section("checksum") == {} and back.section("copies")["d2d_gbps"] == 1000.0
+    assert not back.passed
+
+
+def test_an_error_read_back_without_its_traceback_is_still_an_error():
+    doc = _roundtrip(_gpu_check().to_json())
+    doc["checksum"] = {"error": "RuntimeError: no kernel"}
+    back = GpuCheckReport.from_json(doc)
+    assert back.checks["checksum"] == CheckError("RuntimeError: no kernel")
+    assert back.to_json() == doc
+    with pytest.raises(KeyError, match="device"):
+        GpuCheckReport.from_json({"benchmark": "gpu-check", "cuda": False})
+
+
+@pytest.fixture(scope="module")
+def scale() -> ScaleReport:
+    """A scale report of 256 GPUs, as ``p2p-bench scale-report`` builds it (few trials)."""
+    from bench import scale_model, scale_report
+
+    parser = argparse.ArgumentParser()
+    scale_report.add_arguments(parser)
+    args = parser.parse_args(["--gpus", "256", "--replicas", "1,2", "--trials", "5"])
+    return scale_report.build_report(args, scale_model.load("measured"))
+
+
+def test_the_scale_report_has_the_keys_it_always_wrote_in_order(scale):
+    doc = scale.to_json()
+    assert list(doc) == [
+        "kind",
+        "created",
+        "command",
+        "job",
+        "headline",
+        "inputs",
+        "validation_inputs",
+        "validation",
+        "scenarios",
+        "goodput",
+        "memory",
+        "sensitivity",
+        "sizes",
+    ]
+    assert doc["kind"] == "scale-report"
+    assert list(doc["job"]) == [
+        "gpus",
+        "gpus_per_node",
+        "model",
+        "hardware",
+        "replicas",
+        "checkpoint_every_min",
+        "fallback_checkpoint_every_min",
+        "storage",
+        "replica_memory",
+        "placement",
+        "step_s",
+        "state_gib_per_gpu",
+    ]
+    assert list(doc["headline"]) == [
+        "replicas",
+        "recovery_s",
+        "recovery_range_s",
+        "downtime_reduction_pct",
+        "downtime_reduction_range_pct",
+        "goodput_pct",
+        "goodput_range_pct",
+        "goodput_restart_pct",
+        "goodput_restart_range_pct",
+        "validation_worst_held_out",
+        "validation_within_25_pct",
+        "validation_rows",
+    ]
+    assert list(doc["headline"]["validation_worst_held_out"]) == ["name", "error_pct"]
+    assert list(doc["inputs"]) == sorted(doc["inputs"])
+    assert list(doc["validation"][0]) == [
+        "name",
+        "kind",
+        "predicted_s",
+        "measured_s",
+        "error_pct",
+    ]
+    assert list(doc["sizes"][0]) == ["gpus", "recovery_s", "restart_downtime_s", "control_plane"]
+    assert list(doc["sensitivity"]) == ["recovery_s", "downtime_reduction_pct"]
+
+
+def test_each_scale_scenario_writes_only_the_figures_it_has_in_order(scale):
+    scenarios = scale.to_json()["scenarios"]
+    assert list(scenarios) == [
+        "checkpoint-restart",
+        "checkpointless k=1",
+        "checkpointless k=2",
+        "resize in place: shrink by a node",
+        "resize in place: grow by a node",
+        "torchft replica-group heal",
+    ]
+    assert list(scenarios["checkpoint-restart"]) == ["recovery_s", "downtime_s", "phases_s"]
+    assert list(scenarios["checkpointless k=1"]) == [
+        "recovery_s",
+        "downtime_s",
+        "recovery_gpu_fault_s",
+        "recovery_node_fault_s",
+        "phases_s",
+        "downtime_reduction_pct",
+    ]
+    assert list(scenarios["resize in place: grow by a node"]) == [
+        "recovery_s",
+        "downtime_s",
+        "phases_s",
+    ]
+    assert list(scenarios["torchft replica-group heal"]) == ["recovery_s", "downtime_s", "note"]
+
+
+def test_the_scale_report_reads_back_from_its_document(scale):
+    doc = _roundtrip(scale.to_json())
+    back = ScaleReport.from_json(doc)
+    assert _roundtrip(back.to_json()) == doc
+    assert back.headline == scale.headline and back.validation == scale.validation
+    assert isinstance(back.headline.recovery_range_s, tuple)
+    assert back.inputs == scale.inputs and back.scenarios == scale.scenarios

@@ -23,7 +23,7 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.fixture(scope="module")
 def report() -> dict:
     args = _args("--gpus", "2048", "--model", "llama3-70b", "--trials", "50")
-    return scale_report.build_report(args, sm.load("measured"))
+    return scale_report.build_report(args, sm.load("measured")).to_json()
 
 
 def test_every_input_is_labelled_and_sourced(report):
@@ -119,15 +119,15 @@ def test_cli_writes_the_report_folder(tmp_path, capsys):
 def test_own_model_and_hardware_figures(tmp_path):
     args = _args("--params", "1e10", "--step-s", "1.5", "--ib-gbps", "25", "--trials", "5")
     rep = scale_report.build_report(args, sm.load("measured"))
-    assert rep["job"]["model"] == "custom" and rep["job"]["step_s"] == 1.5
-    assert rep["inputs"]["ib_gbps"]["value"] == 25
+    assert rep.job.model == "custom" and rep.job.step_s == 1.5
+    assert rep.inputs["ib_gbps"].value == 25
 
 
 def test_set_overrides_an_input_and_says_so():
     measured = sm.load("measured")
     rep = scale_report.build_report(_args("--set", "nccl_abort_s=4", "--trials", "5"), measured)
-    assert rep["inputs"]["nccl_abort_s"]["value"] == 4
-    assert "--set" in rep["inputs"]["nccl_abort_s"]["source"]
+    assert rep.inputs["nccl_abort_s"].value == 4
+    assert "--set" in rep.inputs["nccl_abort_s"].source
     for bad in ("no_such_input=1", "nccl_abort_s=fast"):
         with pytest.raises(UsageError):
             scale_report.build_report(_args("--set", bad, "--trials", "5"), measured)
@@ -160,7 +160,7 @@ def test_a_dcp_launch_shares_the_hosts_cores():
     assert scale_report.cpu_share(inp, ran) == 1
     assert scale_report.cpu_share(inp, 1) == pytest.approx(cores / max(ran, cores))
     assert scale_report.cpu_share(inp, 3) < scale_report.cpu_share(inp, 4)
-    rows = {r["name"]: r for r in scale_report.validation(sm.load("measured"))}
-    grow = rows["resize grow through DCP: restart and load"]["predicted_s"]
-    shrink = rows["resize shrink through DCP: restart and load"]["predicted_s"]
+    rows = {r.name: r for r in scale_report.validation(sm.load("measured"))}
+    grow = rows["resize grow through DCP: restart and load"].predicted_s
+    shrink = rows["resize shrink through DCP: restart and load"].predicted_s
     assert shrink < grow  # three workers start on two cores sooner than four
