@@ -107,6 +107,11 @@ def test_faults_from_slurm_are_recovered_and_the_job_ends_bitwise_equal(jobs, re
 
     # 1. kill -9 of a rank: a spare takes its place (off the survivors' node: node 1's own).
     jobs.wait_event(job_id, "generation_complete", generation=1)
+    # Spares join the pool once warm; a rank lost before then goes to the first one that joins.
+    wait_for(
+        lambda: {e["node"] for e in jobs.events(job_id, "spare_joined")} >= {0, 1},
+        "both nodes' spares in the pool",
+    )
     (rank1,) = jobs.events(job_id, "process_started", role="rank", rank=1)
     release(2)
     os.kill(rank1["pid"], signal.SIGKILL)
