@@ -23,21 +23,26 @@ pytestmark = pytest.mark.gpu
 DEADLINE_S = 120.0
 
 
-def _member(rank: int, port: int, peer_gone, results) -> None:
+def _comms(rank: int, world_size: int, port: int):
+    """The engine's groups of generation 1, as a rank creates them (default group: NCCL)."""
     from recovery.comms import CommsSpec, create_comms
 
-    torch.cuda.set_device(rank)
     spec = CommsSpec(
         generation=1,
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         store_host="127.0.0.1",
         store_port=port,
         store_prefix="gen1/",
         backend="cpu:gloo,cuda:nccl",
         timeout_s=DEADLINE_S,
     )
-    comms = create_comms(spec, register=lambda c: None)
+    return create_comms(spec, register=lambda c: None)
+
+
+def _member(rank: int, port: int, peer_gone, results) -> None:
+    torch.cuda.set_device(rank)
+    comms = _comms(rank, 2, port)
     x = torch.ones(1 << 20, device="cuda")
     dist.all_reduce(x)  # both alive: the communicator works
     torch.cuda.synchronize()
@@ -82,19 +87,7 @@ def _alone(port: int, results) -> None:
     """One rank: the engine's groups on one GPU, kernels held in flight on both, then aborted."""
     import time
 
-    from recovery.comms import CommsSpec, create_comms
-
-    spec = CommsSpec(
-        generation=1,
-        rank=0,
-        world_size=1,
-        store_host="127.0.0.1",
-        store_port=port,
-        store_prefix="gen1/",
-        backend="cpu:gloo,cuda:nccl",
-        timeout_s=DEADLINE_S,
-    )
-    comms = create_comms(spec, register=lambda c: None)
+    comms = _comms(0, 1, port)
     side = comms.group("replication", "nccl")
     x = torch.ones(1 << 20, device="cuda")
     dist.all_reduce(x)
