@@ -15,18 +15,12 @@ fault into an in-process recovery::
 Python cannot re-enter a ``with`` body, so the step guard catches a fault, recovers, and tells the
 iterator to rewind: the next step it yields is the one after the restored step.
 
-Recovery (:meth:`ProtectedJob._recover`) follows the steps of ``docs/recovery.md`` from the third
-on (the coordinator detects and decides): it breaks this generation's groups (*interrupt*), waits
-for the coordinator's next generation and joins its groups (*communicators*), takes the census of
-the copies the members hold and chooses where the state comes from (*census and plan*), rebuilds
-the model, optimizer and scheduler from the factory on the new groups (*build*), restores every
-member's state (*transfer and restore*) and restarts replication (*replicate*); the
-:class:`recovery.rebuild.Rebuilder` does the census, build and restore, the
-:class:`recovery.replication.JobReplication` the replication. A fault during recovery starts it
-again with the next generation.
-
-What to do about an exception is :func:`recovery.faults.decide`'s; the job's endings are the
-exceptions of :mod:`recovery.errors`, which the entry point turns into exit codes.
+Recovery (:meth:`ProtectedJob._recover`) runs the steps of ``docs/recovery.md`` from the
+interrupt on, and again with the next generation if a fault cuts it short: the census, build
+and restore are the :class:`recovery.rebuild.Rebuilder`'s, the replication the
+:class:`recovery.replication.JobReplication`'s, what to do about an exception
+:func:`recovery.faults.decide`'s. The job's endings are the exceptions of
+:mod:`recovery.errors`, which the entry point turns into exit codes.
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ from recovery.rebuild import Built, Rebuilder
 from recovery.records import CAUSE_JOINED, RecoveryLog, RecoveryRecord
 from recovery.replication import JobReplication
 from recovery.session import STOP_SIGNAL, CoordinatorsLost, JobEnded, Session
-from recovery.stop import no_stop_checkpoint, stop_with_checkpoint, stop_without_coordinator
+from recovery.stop import no_stop_checkpoint, stop_on_request, stop_without_coordinator
 from recovery.warmup import Build
 
 logger = logging.getLogger(__name__)
@@ -143,6 +137,7 @@ class ProtectedJob:
     def __enter__(self) -> ProtectedJob:
         self._rebuild.remember_initial(self.loader)
         try:
+            attach = hooks_from_env()  # a name that cannot load is refused before any build
             info = self._session.info
             if info is not None and info.generation > 1:
                 # A spare given a rank, or a rank whose first generation was superseded: every
@@ -158,10 +153,6 @@ class ProtectedJob:
                 self._shutdown()
                 raise
             self._recover(e)
-        try:
-            attach = hooks_from_env()
-        except ConfigurationError as e:
-            self._end_misconfigured(e)
         for hook in attach:
             hook(self)
         return self
@@ -385,19 +376,8 @@ class ProtectedJob:
         with self._hooks.phase(rec, phases.DATA):
             self._apply_extras(extras)
         if info.directive == "checkpoint":
-            self._end(
-                stop_with_checkpoint(
-                    self._session,
-                    self.config,
-                    state,
-                    step,
-                    self._extras(),
-                    group=self._copies.checkpoint_group(),
-                    source=restored.peers,
-                    stores=self._copies.stores.all,
-                    reason=info.reason,
-                )
-            )
+            args = (self._session, self.config, self._copies, state, restored, self._extras())
+            self._end(stop_on_request(*args, reason=info.reason))
         with self._hooks.phase(rec, phases.REPLICATE):
             self._copies.start(state, step, extras, recovering=True)
             self.step_done = step

@@ -25,6 +25,7 @@ from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_ste
 from recovery.config import RecoveryConfig
 from recovery.errors import JobStopped, RecoveryFailed
 from recovery.planner import Source, shard_layout
+from recovery.rebuild import Restored
 from recovery.replication import JobReplication
 from recovery.restore import find_copy
 from recovery.session import CoordinatorsLost, Session
@@ -73,6 +74,36 @@ def stop_with_checkpoint(
         session.client.report_done(checkpoint_step=step, checkpoint_root=root)
     logger.error("the job stops: %s; a checkpoint of step %d is in %s", reason, step, root)
     return JobStopped(f"{reason}; a checkpoint of step {step} is in {root}")
+
+
+def stop_on_request(
+    session: Session,
+    config: RecoveryConfig,
+    copies: JobReplication,
+    state: TrainingState,
+    restored: Restored,
+    extras: dict[str, Any],
+    *,
+    reason: str,
+) -> JobStopped:
+    """The coordinator asked this generation to stop (no spare came and the job may not
+    shrink): write the step it restored as the stop checkpoint, lost ranks' states included
+    from the peers' copies it came from.
+
+    Returns:
+        The ending to raise once the job has shut down.
+    """
+    return stop_with_checkpoint(
+        session,
+        config,
+        state,
+        restored.step,
+        extras,
+        group=copies.checkpoint_group(),
+        source=restored.peers,
+        stores=copies.stores.all,
+        reason=reason,
+    )
 
 
 def stop_without_coordinator(
