@@ -143,7 +143,9 @@ class JobReplication:
     def break_off(self) -> None:
         """After a fault: stop replicating (waiting only briefly for the worker) and drop any
         checkpoint in progress. The copies stay readable for the restore."""
-        self.stores.abandon(ABANDON_WAIT_S)
+        left = self.stores.abandon(ABANDON_WAIT_S)
+        if left:  # blocked in a transfer gloo does not fail (see ABANDON_WAIT_S)
+            self._session.event("replication_workers_left_behind", workers=left)
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None

@@ -49,10 +49,13 @@ class GenerationStores:
         """Whether older generations' stores are still kept."""
         return len(self._stores) > 1
 
-    def abandon(self, wait_s: float = 10.0) -> None:
-        """Stop every replicator (after a fault, or before a resize), keeping their copies."""
-        for store in self._stores:
-            store.abandon(wait_s)
+    def abandon(self, wait_s: float = 10.0) -> int:
+        """Stop every replicator (after a fault, or before a resize), keeping their copies.
+
+        Returns:
+            How many workers are still busy, left behind (their buffers are not recycled).
+        """
+        return sum(not store.abandon(wait_s) for store in self._stores)
 
     def recycle_for(self, step: int) -> BufferPool:
         """The pool the next replicator takes its slots from: every old buffer but those of the

@@ -392,3 +392,23 @@ def test_a_lost_shard_with_no_checkpoint_is_reported_fatal_before_it_is_raised(s
     with pytest.raises(RecoveryFailed, match=r"ranks \[1\]"):
         rebuild.source(lost, 2)
     session.report_failure.assert_called_once_with(mock.ANY, fatal=True)
+
+
+def test_replication_workers_left_behind_by_a_fault_are_counted_in_the_event_log(session):
+    from recovery.hooks import JobHooks
+    from recovery.replication import JobReplication
+
+    class Store:  # a replicator's abandon(): whether its worker stopped in time
+        def __init__(self, stops: bool) -> None:
+            self.stops = stops
+
+        def abandon(self, wait_s: float) -> bool:
+            return self.stops
+
+    copies = JobReplication(session, RecoveryConfig(), JobHooks())
+    copies.stores.add(Store(True), 1)
+    copies.break_off()
+    session.event.assert_not_called()
+    copies.stores.add(Store(False), 2)  # the current generation's worker is still in a transfer
+    copies.break_off()
+    session.event.assert_called_once_with("replication_workers_left_behind", workers=1)

@@ -57,10 +57,13 @@ def test_sigkill_mid_step_is_replaced_by_a_spare_bitwise(tmp_path, data_cache, r
     (spare,) = [e for e in done if e["source"] == assigned["identity"]]
     assert spare["bytes_received"] > 0 and all(e["bytes_received"] == 0 for e in survivors)
     assert len(outcome.events("first_step_done", generation=2)) == 4
-    # The survivors' new copies went into the memory of their old ones.
+    # The survivors' new copies went into the memory of their old ones, but where an old worker
+    # was still in a transfer when the interrupt came (left behind: its buffers stay its own).
     released = outcome.events("previous_copies_released", generation=2)
     assert sorted(e["source"] for e in released) == sorted(e["source"] for e in survivors)
-    assert all(e["given_bytes"] > 0 and e["reused_bytes"] > 0 for e in released)
+    behind = {e["source"] for e in outcome.events("replication_workers_left_behind")}
+    recycled = [e for e in released if e["source"] not in behind]
+    assert all(e["given_bytes"] > 0 and e["reused_bytes"] > 0 for e in recycled), released
     # The pool was refilled.
     assert len(outcome.events("process_started", role="spare")) == 2
 
