@@ -32,6 +32,9 @@ import torch
 from bench.bench_reports import CheckError, CheckResult, GpuCheckReport, ReplicateReport
 from bench.fault_runs import UsageError, machine
 
+#: The project's root: the sub-runs are started from it.
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench gpu-check``."""
@@ -108,11 +111,10 @@ def _state_checks(device: torch.device, preset: str) -> dict[str, Callable[[], A
 
 def _unit_tests(folder: Path) -> dict[str, Any]:
     """Run ``pytest -m gpu``; its whole output goes to ``unit-tests.log`` in the report folder."""
-    root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=_python_path(root)),
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=_python_path()),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -140,14 +142,13 @@ def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, A
     Every process is a host of its own to NCCL (:mod:`bench.shared_gpu`), so this runs on any
     number of GPUs; with fewer GPUs than ranks NCCL moves the bytes over its socket transport.
     """
-    root = Path(__file__).resolve().parent.parent
     out = folder / "kill-and-recover"
-    script = [str(root / "examples" / "train.py"), "--steps", str(steps), "--model", preset]
+    script = [str(ROOT / "examples" / "train.py"), "--steps", str(steps), "--model", preset]
     with tempfile.TemporaryDirectory(prefix="p2p-gpu-check-") as work:
         inject = ["inject", "--json", "--quiet", "--steps", str(steps), "--fault", KILL]
         inject += ["--checkpoint-every", "4", "--out-dir", str(out), "--work-dir", work]
         inject += ["--timeout", str(RUN_TIMEOUT_S)]
-        inject += ["--script", str(root / "bench" / "shared_gpu.py"), "--", *script]
+        inject += ["--script", str(ROOT / "bench" / "shared_gpu.py"), "--", *script]
         # Two runs (fault-free and faulty) and the report: within three run deadlines.
         lines = _bench(inject, folder / "kill-and-recover.log", 3 * RUN_TIMEOUT_S, ok=(0, 1))
     report = json.loads(lines[-1])
@@ -201,13 +202,12 @@ def _bench(args: list[str], log: Path, timeout_s: float, ok: tuple[int, ...] = (
         RuntimeError: it exited with a code not in ``ok``, printed nothing, or ran out of time;
             the message ends with its last line of errors and names the log.
     """
-    root = Path(__file__).resolve().parent.parent
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "bench.cli", *args],
-            cwd=root,
-            env=dict(os.environ, PYTHONPATH=_python_path(root)),
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=_python_path()),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -227,8 +227,9 @@ def _text(data: str | bytes | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
-def _python_path(root: Path) -> str:
-    return os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+def _python_path() -> str:
+    """The project first, for the child processes (also where it is not installed)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
