@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recovery.phases import BEFORE_RANK_PHASES as _NOT_RANK_PHASES
-from recovery.phases import RANK_PHASES
+from recovery.phases import INTERRUPT, RANK_PHASES
 
 Event = dict[str, Any]
 
@@ -52,6 +52,10 @@ class RecoveredFault:
     every_copy_lost: str | None = None
     """Why some shard had no copy left, when the recovery did not restore from peers (``None``:
     it did, or the run did not say; left out of the JSON then)."""
+    slowest_survivor_out_s: float | None = None
+    """The largest ``interrupt`` a survivor recorded: from the coordinator's word (or its own
+    failed collective) to out of the step with its groups broken. The critical path can hide it
+    (a spare's ``communicators`` waits for the survivors). ``None``: no survivor; left out."""
 
 
 @dataclass(slots=True)
@@ -104,12 +108,12 @@ FaultRow = RecoveredFault | RestartedFault | CoordinatorFault | SilentFault | Un
 """One fault's row of a report (its JSON form: :func:`as_json`)."""
 
 
-_LEFT_OUT_WHEN_NONE = frozenset({"every_copy_lost"})
+_LEFT_OUT_WHEN_NONE = frozenset({"every_copy_lost", "slowest_survivor_out_s"})
 
 
 def as_json(rows: Sequence[FaultRow]) -> list[dict[str, Any]]:
     """The rows as the report's JSON holds them (a field per key, in field order; an unset
-    ``every_copy_lost`` is left out)."""
+    ``every_copy_lost`` or ``slowest_survivor_out_s`` is left out)."""
     return [
         {
             k: v
@@ -309,6 +313,7 @@ def checkpointless_faults(events: Sequence[Event]) -> list[FaultRow]:
             for e in events
             if e["event"] == "first_step_done" and e.get("generation") == generation
         ]
+        survivors = [e["phases"][INTERRUPT] for e in ranks if INTERRUPT in e["phases"]]
         out.append(
             RecoveredFault(
                 spec=spec,
@@ -322,6 +327,7 @@ def checkpointless_faults(events: Sequence[Event]) -> list[FaultRow]:
                 downtime_s=end - t_fault,
                 recovery_s=(max(firsts) - t_fault) if firsts else None,
                 bytes_received=sum(e.get("bytes_received", 0) for e in ranks),
+                slowest_survivor_out_s=max(survivors, default=None),
             )
         )
     return out

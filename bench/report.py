@@ -176,6 +176,9 @@ def _mode_markdown(mode: str, section: dict[str, Any]) -> list[str]:
             rows.append(("restored from", fault["restored_from"]))
         if fault.get("every_copy_lost"):
             rows.append(("every copy of a shard lost", fault["every_copy_lost"]))
+        if fault.get("slowest_survivor_out_s") is not None:
+            out_s = _fmt(fault["slowest_survivor_out_s"], ".3f")
+            rows.append(("slowest survivor out of the step (in the phases above)", out_s))
         out += ["", *_table(("phase", "seconds"), rows)]
     return out
 

@@ -680,7 +680,8 @@ class Replicator:
 
         Returns:
             Whether the worker stopped within ``timeout_s`` (if not, it is left as a daemon;
-            it only ever writes slots that are not published).
+            it only ever writes slots that are not published). With ``timeout_s=0`` it is only
+            told to stop: :meth:`left_behind` says later whether it did.
         """
         with self._lock:
             if self._failure is None:
@@ -718,26 +719,36 @@ class Replicator:
         if self._forward_fence_handle is not None:
             self._forward_fence_handle.remove()
             self._forward_fence_handle = None
-        if self._worker.is_alive() and self._left_behind:
-            # Waited for once already: an old generation's store is abandoned again at every
-            # later fault, and waiting each time would add the whole deadline to each recovery.
+        if not self._worker.is_alive():
+            return True
+        if self._left_behind:
+            # Found in a transfer once already: an old generation's store is abandoned again at
+            # every later fault, and waiting each time would add the deadline to each recovery.
             return False
-        if self._worker.is_alive():
-            self._queue.put(None)
+        self._queue.put(None)
+        if timeout_s > 0:
             self._worker.join(timeout=timeout_s)
-            if self._worker.is_alive():
-                self._left_behind = True
-                ident = self._worker.ident  # set: the worker was started
-                frame = sys._current_frames().get(ident) if ident is not None else None
-                where = "".join(traceback.format_stack(frame, limit=4)) if frame else "?\n"
-                logger.error(
-                    "rank %d: replication worker still busy after %.0f ms; leaving it (daemon). "
-                    "It is at:\n%s",
-                    self.rank,
-                    timeout_s * 1e3,
-                    where.rstrip(),
-                )
+            if self.left_behind(f"after {timeout_s * 1e3:.0f} ms"):
                 return False
+        return not self._worker.is_alive()
+
+    def left_behind(self, when: str = "when the next replicator is made") -> bool:
+        """Whether the worker is still in a round after :meth:`abandon` (blocked where the abort
+        did not reach); the first time, the log says where it is. It is then a daemon that only
+        ever writes slots that are not published, and :meth:`give_back` gives nothing back."""
+        if not self._worker.is_alive():
+            return False
+        if not self._left_behind:
+            self._left_behind = True
+            ident = self._worker.ident  # set: the worker was started
+            frame = sys._current_frames().get(ident) if ident is not None else None
+            where = "".join(traceback.format_stack(frame, limit=4)) if frame else "?\n"
+            logger.error(
+                "rank %d: replication worker still busy %s; leaving it (daemon). It is at:\n%s",
+                self.rank,
+                when,
+                where.rstrip(),
+            )
         return True
 
     def __enter__(self) -> Replicator:

@@ -143,6 +143,7 @@ class ProtectedJob:
                 # A spare given a rank, or a rank whose first generation was superseded: every
                 # member of this generation is in the restore protocol.
                 rec = RecoveryRecord(info.generation, CAUSE_JOINED, started_t=info.arrived_t)
+                rec.phases[phases.COMMUNICATORS] = self._session.joined_t - info.arrived_t
                 self._restore_into(info, rec)
             else:
                 self._fresh_start()
@@ -276,11 +277,13 @@ class ProtectedJob:
         caught_t = time.monotonic()
         reached = self.step_done
         logger.warning("%s: fault (%s); recovering", self._session.identity, short(cause))
-        self._break_generation()
+        left_t = self._break_generation()
         tried = 0
         while True:
             info = self._next_generation(cause, tried)
-            rec = self._log.after_fault(info, short(cause), caught_t=caught_t, step_reached=reached)
+            rec = self._log.after_fault(
+                info, short(cause), caught_t=caught_t, left_t=left_t, step_reached=reached
+            )
             tried = info.generation
             try:
                 self._enter_generation(info, rec)
@@ -292,16 +295,21 @@ class ProtectedJob:
                 if action is not Action.RECOVER:
                     raise
                 self._log.abandoned(info, short(e))
-                self._break_generation()
                 caught_t = time.monotonic()
+                left_t = self._break_generation()
                 cause = e
 
-    def _break_generation(self) -> None:
+    def _break_generation(self) -> float:
         """Interrupt: this generation is over for this rank. Break its groups so nothing here
-        (the replication worker) or at a peer stays blocked on them."""
+        (the replication worker) or at a peer stays blocked on them.
+
+        Returns:
+            When it was done (``time.monotonic()``).
+        """
         if self._session.comms is not None:
             self._session.comms.abort()
         self._copies.break_off()
+        return time.monotonic()
 
     def _next_generation(self, cause: BaseException, after: int) -> GenerationInfo:
         """The coordinator's next generation after a fault.

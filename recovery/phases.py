@@ -7,12 +7,12 @@ imports nothing, so the control plane and the report tools can use it without to
 from __future__ import annotations
 
 INTERRUPT = "interrupt"
-"""From the coordinator's word to the training thread leaving the step (or from a failed
-collective to the coordinator's word, which is then ``wait``)."""
+"""From the coordinator's word (or a failed collective, if first) to the training thread out of
+the step and the generation's groups broken."""
 WAIT = "wait"
-"""From the failure this rank saw to the coordinator's generation."""
+"""From then to the coordinator's generation, if it came later."""
 COMMUNICATORS = "communicators"
-"""Joining the new generation's process groups."""
+"""Joining the new generation's process groups (a spare: from the generation's arrival)."""
 PLAN = "plan"
 """The census of the copies, the choice of the source, the restore plan."""
 BUILD = "build"

@@ -50,6 +50,7 @@ class RecoveryRecord:
         cause: str,
         *,
         caught_t: float,
+        left_t: float,
         interrupted_t: float,
         generation_t: float,
         step_reached: int,
@@ -57,16 +58,16 @@ class RecoveryRecord:
         """The record of a recovery from a fault this rank caught at ``caught_t``.
 
         Args:
+            left_t: When this rank had left the step and broken the generation's groups.
             interrupted_t: When the coordinator's word (interrupt or generation) arrived.
             generation_t: When the generation recovered into arrived.
         """
-        rec = cls(
-            generation, cause, started_t=min(interrupted_t, caught_t), step_reached=step_reached
-        )
-        # From the coordinator's word to the training thread leaving the step; or, when a
-        # collective failed first, from that failure to the coordinator's word.
-        rec.phases[phases.INTERRUPT] = max(0.0, caught_t - interrupted_t)
-        rec.phases[phases.WAIT] = max(0.0, generation_t - caught_t)
+        started_t = min(interrupted_t, caught_t)
+        rec = cls(generation, cause, started_t=started_t, step_reached=step_reached)
+        # From the coordinator's word (or a failed collective, if first) to the step left and
+        # the groups broken; then waiting for the coordinator's generation, if it came later.
+        rec.phases[phases.INTERRUPT] = max(0.0, left_t - started_t)
+        rec.phases[phases.WAIT] = max(0.0, generation_t - max(left_t, started_t))
         return rec
 
     def done_event(self, rank: int | None, world_size: int) -> dict[str, Any]:
@@ -107,13 +108,21 @@ class RecoveryLog:
         self._first_step_pending: RecoveryRecord | None = None
 
     def after_fault(
-        self, info: GenerationInfo, cause: str, *, caught_t: float, step_reached: int
+        self,
+        info: GenerationInfo,
+        cause: str,
+        *,
+        caught_t: float,
+        left_t: float,
+        step_reached: int,
     ) -> RecoveryRecord:
-        """The record of a recovery into ``info`` from a fault caught at ``caught_t``."""
+        """The record of a recovery into ``info`` from a fault caught at ``caught_t`` (the step
+        left and the groups broken at ``left_t``)."""
         return RecoveryRecord.after_fault(
             info.generation,
             cause,
             caught_t=caught_t,
+            left_t=left_t,
             interrupted_t=self._session.interrupt_time() or info.arrived_t,
             generation_t=info.arrived_t,
             step_reached=step_reached,

@@ -21,7 +21,7 @@ from recovery.devices import placement_of, replication_backend, training_device
 from recovery.errors import ConfigurationError
 from recovery.hooks import JobHooks
 from recovery.session import Session
-from recovery.stores import ABANDON_WAIT_S, GenerationStores
+from recovery.stores import GenerationStores
 
 
 class JobReplication:
@@ -74,6 +74,8 @@ class JobReplication:
         # After a recovery the previous generations' stores keep the copies of the restored
         # step (the fallback until the new ones are made); the rest of their memory is reused.
         # At the job's start the slots are prefaulted instead.
+        if recovering and (left := self.stores.left_behind()):
+            self._session.event("replication_workers_left_behind", workers=left)
         rep = Replicator(
             state,
             self._config.replication,
@@ -141,11 +143,9 @@ class JobReplication:
         return True
 
     def break_off(self) -> None:
-        """After a fault: stop replicating (waiting only briefly for the worker) and drop any
+        """After a fault: stop replicating (without waiting for the worker) and drop any
         checkpoint in progress. The copies stay readable for the restore."""
-        left = self.stores.abandon(ABANDON_WAIT_S)
-        if left:  # blocked in a transfer gloo does not fail (see ABANDON_WAIT_S)
-            self._session.event("replication_workers_left_behind", workers=left)
+        self.stores.abandon(wait_s=0.0)  # the workers are asked at recycling (left_behind)
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None

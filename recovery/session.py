@@ -88,6 +88,8 @@ class Session:
         self.comms: Comms | None = None
         self.info: GenerationInfo | None = None
         """The generation this process is in (joined), if any."""
+        self.joined_t = 0.0
+        """When this process's groups of :attr:`info` were formed (``time.monotonic()``)."""
         self._cond = threading.Condition()
         self._generations: dict[int, GenerationInfo] = {}
         self._latest = 0
@@ -286,6 +288,7 @@ class Session:
         comms = create_comms(spec, self._register)
         with self._cond:
             self.info = info
+            self.joined_t = time.monotonic()
             if (
                 self._notice is not None
                 and int(self._notice.get("generation", 0)) < info.generation

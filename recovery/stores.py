@@ -21,15 +21,6 @@ from __future__ import annotations
 from p2p_state.memory import BufferPool
 from p2p_state.replicator import Replicator
 
-#: After a fault, how long a rank waits for its replication worker to leave the aborted round
-#: before it goes on without it (the worker only ever writes slots that are not published).
-#: A worker whose transfers gloo fails on the abort leaves within milliseconds; one blocked on
-#: a receive whose payload was partly read when its pair failed never does before its deadline
-#: (gloo signals the failure to pending and posted operations, not to the one being read), so
-#: waiting longer only adds to the recovery. Its pair is closed by then, so nothing writes into
-#: its buffers any more; they are recycled if it has left by the time the new replicator is made.
-ABANDON_WAIT_S = 0.05
-
 
 class GenerationStores:
     """Every replicator whose copies this rank still holds, and the pool their memory goes to."""
@@ -52,10 +43,27 @@ class GenerationStores:
     def abandon(self, wait_s: float = 10.0) -> int:
         """Stop every replicator (after a fault, or before a resize), keeping their copies.
 
+        Args:
+            wait_s: How long to wait for each worker to leave its round; 0: only tell them
+                (after a fault: see :meth:`left_behind`).
+
         Returns:
-            How many workers are still busy, left behind (their buffers are not recycled).
+            How many workers are still busy.
         """
         return sum(not store.abandon(wait_s) for store in self._stores)
+
+    def left_behind(self) -> int:
+        """How many stopped replicators' workers are still in a round (their buffers are not
+        recycled).
+
+        After a fault a rank does not wait for its replication worker: the aborted groups fail
+        its transfers within milliseconds, and it has left long before the next replicator is
+        made, where this is asked. Except a worker blocked on a receive whose payload was partly
+        read when its pair failed: gloo signals the failure to pending and posted operations,
+        not to the one being read, so that one leaves only at its deadline. Its pair is closed,
+        so nothing writes into its buffers any more; it is left as a daemon.
+        """
+        return sum(store.left_behind() for store in self._stores)
 
     def recycle_for(self, step: int) -> BufferPool:
         """The pool the next replicator takes its slots from: every old buffer but those of the

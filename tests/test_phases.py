@@ -38,6 +38,8 @@ def engine_log(restored: int):
         "data": 0.0,
         "replicate": 0.05,
     }
+    # The survivors left the step in 10, 30 and 20 ms; the spare (rank 1) was never in it.
+    spare = {p: v for p, v in phases.items() if p not in ("interrupt", "wait")}
     done = [
         _ev(
             15.45,
@@ -45,11 +47,11 @@ def engine_log(restored: int):
             generation=2,
             rank=r,
             step=restored,
-            phases=phases,
+            phases={**phases, "interrupt": out},
             bytes_received=100 * (r == 1),
             restored_from="peers",
         )
-        for r in (0, 2, 3)
+        for r, out in ((0, 0.01), (2, 0.03), (3, 0.02))
     ] + [
         _ev(
             15.5,
@@ -57,7 +59,7 @@ def engine_log(restored: int):
             generation=2,
             rank=1,
             step=restored,
-            phases=phases,
+            phases=spare,
             bytes_received=100,
             restored_from="peers",
         )
@@ -83,6 +85,7 @@ def test_checkpointless_phases_add_up_to_the_downtime():
     assert f.recovery_s == pytest.approx(0.7)
     assert list(f.phases)[:2] == ["detect", "interrupt"] and "recompute" not in f.phases
     assert f.bytes_received == 100  # only the spare received
+    assert f.slowest_survivor_out_s == pytest.approx(0.03)
     # The report's row: one key per field, in the order the reports have always had.
     assert list(as_json([f])[0]) == [
         "spec",
@@ -96,6 +99,7 @@ def test_checkpointless_phases_add_up_to_the_downtime():
         "downtime_s",
         "recovery_s",
         "bytes_received",
+        "slowest_survivor_out_s",
     ]
 
 
@@ -184,6 +188,8 @@ def test_a_shard_with_no_copy_left_is_named_in_its_row_only_then():
     (f,) = checkpointless_faults(engine_log(restored=5))
     assert "every_copy_lost" not in as_json([f])[0]
     f.every_copy_lost = "by design"
+    assert list(as_json([f])[0])[-2:] == ["every_copy_lost", "slowest_survivor_out_s"]
+    f.slowest_survivor_out_s = None  # no survivor (every rank was replaced)
     assert list(as_json([f])[0])[-2:] == ["bytes_received", "every_copy_lost"]
 
 

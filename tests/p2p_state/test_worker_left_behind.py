@@ -63,3 +63,14 @@ def test_a_worker_that_stops_is_joined():
     rep = _replicator_with(worker)
     assert rep.abandon(1.0) is True and worker.joins == [1.0]
     assert rep._queue.get_nowait() is None  # it was told to stop
+
+
+def test_after_a_fault_the_worker_is_told_to_stop_and_asked_later(caplog):
+    worker = _StuckThread()
+    rep = _replicator_with(worker)
+    assert rep.abandon(0.0) is False and worker.joins == []  # no wait on the recovery's path
+    assert rep._queue.get_nowait() is None  # told to stop
+    # When the next replicator is made: still in its round, so left behind (logged once).
+    assert rep.left_behind() is True and rep.left_behind() is True
+    assert len([r for r in caplog.records if "still busy" in r.getMessage()]) == 1
+    assert rep.abandon(1.0) is False and worker.joins == []  # and never waited for again

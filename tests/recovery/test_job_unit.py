@@ -394,21 +394,52 @@ def test_a_lost_shard_with_no_checkpoint_is_reported_fatal_before_it_is_raised(s
     session.report_failure.assert_called_once_with(mock.ANY, fatal=True)
 
 
-def test_replication_workers_left_behind_by_a_fault_are_counted_in_the_event_log(session):
+def test_a_fault_waits_for_no_replication_worker_and_those_still_busy_are_counted_later(
+    session, monkeypatch
+):
+    from recovery import replication
     from recovery.hooks import JobHooks
-    from recovery.replication import JobReplication
 
-    class Store:  # a replicator's abandon(): whether its worker stopped in time
-        def __init__(self, stops: bool) -> None:
-            self.stops = stops
+    class Store:  # an abandoned replicator whose worker leaves its round, or does not
+        def __init__(self, busy: bool) -> None:
+            self.busy, self.waits = busy, []
 
         def abandon(self, wait_s: float) -> bool:
-            return self.stops
+            self.waits.append(wait_s)
+            return not self.busy
 
-    copies = JobReplication(session, RecoveryConfig(), JobHooks())
-    copies.stores.add(Store(True), 1)
+        def left_behind(self) -> bool:
+            return self.busy
+
+    copies = replication.JobReplication(session, RecoveryConfig(), JobHooks())
+    stopped, stuck = Store(False), Store(True)
+    copies.stores.add(stopped, 1)
+    copies.stores.add(stuck, 2)
     copies.break_off()
+    assert stopped.waits == stuck.waits == [0.0]  # told to stop, not waited for
     session.event.assert_not_called()
-    copies.stores.add(Store(False), 2)  # the current generation's worker is still in a transfer
-    copies.break_off()
+    # The next replicator counts the workers still in a round when it is made.
+    made = []
+    monkeypatch.setattr(replication.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(copies, "replication_group", lambda: None)
+    monkeypatch.setattr(copies.stores, "recycle_for", lambda step: "pool")
+    monkeypatch.setattr(replication, "Replicator", lambda *a, **kw: made.append(kw) or mock.Mock())
+    copies.start(mock.Mock(), 2, {}, recovering=True)
     session.event.assert_called_once_with("replication_workers_left_behind", workers=1)
+    assert made[0]["recycle"] == "pool"
+
+
+def test_a_survivors_interrupt_runs_until_it_has_left_the_step_and_broken_its_groups():
+    from recovery import phases
+    from recovery.records import RecoveryRecord
+
+    def record(**t: float) -> dict[str, float]:
+        rec = RecoveryRecord.after_fault(2, "fault", step_reached=5, **t)
+        return {p: round(rec.phases[p], 3) for p in (phases.INTERRUPT, phases.WAIT)}
+
+    # The coordinator's word first: from it to the groups broken; the generation was there.
+    word_first = record(interrupted_t=10.0, caught_t=10.02, left_t=10.03, generation_t=10.0)
+    assert word_first == {"interrupt": 0.03, "wait": 0.0}
+    # A collective failed first: breaking the groups, then waiting for the coordinator.
+    failed_first = record(interrupted_t=10.5, caught_t=10.0, left_t=10.01, generation_t=10.5)
+    assert failed_first == {"interrupt": 0.01, "wait": 0.49}
