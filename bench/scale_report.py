@@ -141,9 +141,11 @@ def machine_inputs(measured: dict[str, Any]) -> tuple[Inputs, float]:
     mem = 2 * s / max(ph["restore"], 1e-6) / sm.GB
     rph = cmp_["restart_phases_s"]
     steps_lost = max(1, cmp_["restart_steps_lost"])
-    # The new communicators: what the ranks that record the phase took (the critical rank of a
-    # recovery is often the spare, whose join falls in `interrupt`). `interrupt` keeps the
-    # rest, so the recovery's phases still add up to what the critical rank measured.
+    # The new communicators: what the survivors took to form them (the critical rank of a
+    # recovery is often the spare, whose `communicators` runs from the generation's arrival and
+    # so includes waiting for the survivors to leave the step). The abort keeps the rest of
+    # `interrupt` and `communicators`, so the phases still add up to what the critical rank
+    # measured.
     comm = rec.get("communicators_ranks_s", ph["communicators"])
     abort = max(0.0, ph["interrupt"] + ph["communicators"] - gen - comm)
 

@@ -143,7 +143,8 @@ class ProtectedJob:
                 # A spare given a rank, or a rank whose first generation was superseded: every
                 # member of this generation is in the restore protocol.
                 rec = RecoveryRecord(info.generation, CAUSE_JOINED, started_t=info.arrived_t)
-                rec.phases[phases.COMMUNICATORS] = self._session.joined_t - info.arrived_t
+                if not info.graceful:  # a graceful one is joined when its members switch
+                    rec.phases[phases.COMMUNICATORS] = self._session.joined_t - info.arrived_t
                 self._restore_into(info, rec)
             else:
                 self._fresh_start()

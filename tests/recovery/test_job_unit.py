@@ -9,6 +9,7 @@ multi-process tests (test_protect.py, test_restore.py, test_user_scripts.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from unittest import mock
@@ -443,3 +444,19 @@ def test_a_survivors_interrupt_runs_until_it_has_left_the_step_and_broken_its_gr
     # A collective failed first: breaking the groups, then waiting for the coordinator.
     failed_first = record(interrupted_t=10.5, caught_t=10.0, left_t=10.01, generation_t=10.5)
     assert failed_first == {"interrupt": 0.01, "wait": 0.49}
+
+
+@pytest.mark.parametrize("graceful", [False, True])
+def test_a_spare_records_its_join_of_a_recovery_as_communicators(session, graceful):
+    from recovery import phases
+
+    info = dataclasses.replace(_info(3), graceful=graceful)
+    session.info, session.joined_t = info, info.arrived_t + 0.25
+    job, restore = _job(session, 5)
+    with job:
+        pass
+    assert restore.generations == [3]  # it entered the generation's restore protocol
+    (rec,) = job.recoveries
+    # A graceful generation is joined when its members switch: no time of the spare's.
+    expected = {} if graceful else {phases.COMMUNICATORS: pytest.approx(0.25)}
+    assert {p: v for p, v in rec.phases.items() if p == phases.COMMUNICATORS} == expected
