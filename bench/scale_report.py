@@ -143,11 +143,12 @@ def machine_inputs(measured: dict[str, Any]) -> tuple[Inputs, float]:
     steps_lost = max(1, cmp_["restart_steps_lost"])
     # The new communicators: what the survivors took to form them (the critical rank of a
     # recovery is often the spare, whose `communicators` runs from the generation's arrival and
-    # so includes waiting for the survivors to leave the step). The abort keeps the rest of
-    # `interrupt` and `communicators`, so the phases still add up to what the critical rank
-    # measured.
-    comm = rec.get("communicators_ranks_s", ph["communicators"])
-    abort = max(0.0, ph["interrupt"] + ph["communicators"] - gen - comm)
+    # so includes waiting for the survivors to leave the step), at most what the critical rank
+    # spent after the generation's broadcast. The abort keeps the rest of `interrupt` and
+    # `communicators`, so the phases still add up to what the critical rank measured.
+    after_broadcast = max(0.0, ph["interrupt"] + ph["communicators"] - gen)
+    comm = min(rec.get("communicators_ranks_s", ph["communicators"]), after_broadcast)
+    abort = after_broadcast - comm
 
     def m(v: float, source: str, unit: str = "s") -> Input:
         return Input(v, unit, "measured", source, v * 0.8, v * 1.25)
