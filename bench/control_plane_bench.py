@@ -105,6 +105,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
     import zmq
 
     from launcher import protocol
+    from launcher.client import HELLO_RETRY_S
     from launcher.link import CoordinatorLinks
 
     # Each member's switch is recorded here; thousands of "now obeys" lines would say no more.
@@ -144,13 +145,17 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             "voted_for": None,
             "switched": None,  # when it heartbeat a coordinator that took over
             "told": False,
+            # As a real client: a hello goes again until a welcome answers it (a hello or its
+            # challenge lost in a flood of thousands would otherwise keep it out for good).
+            "hello": {"role": role, "node": node, "pid": os.getpid()},
+            "next_hello": time.monotonic() + HELLO_RETRY_S,
+            "welcomed": False,
         }
         for s in links.sockets.values():
             watch(m, s)
-        body = {"role": role, "node": node, "pid": os.getpid()}
         if rank is not None:
-            body["rank"] = rank
-        links.send(protocol.HELLO, body)
+            m["hello"]["rank"] = rank
+        links.send(protocol.HELLO, m["hello"])
         members[identity] = m
 
     def remove(m: dict[str, Any]) -> None:
@@ -259,9 +264,13 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                 elif msg.type == protocol.STANDBYS:
                     connect_standbys(m, msg.body["addresses"])
                 elif msg.type == protocol.WELCOME:
+                    m["welcomed"] = True
                     connect_standbys(m, msg.body.get("standbys", []))
         now = time.monotonic()
         for m in members.values():
+            if not m["welcomed"] and not m["silent"] and m["next_hello"] <= now:
+                m["links"].send(protocol.HELLO, m["hello"])
+                m["next_hello"] = now + HELLO_RETRY_S
             if not m["silent"] and m["next"] <= now:
                 m["links"].send(protocol.HEARTBEAT)
                 beats += 1

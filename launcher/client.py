@@ -40,13 +40,14 @@ from typing import Any
 import zmq
 
 from launcher import protocol
+from launcher.decisions import body_maps
 from launcher.events import EventLog
 from launcher.link import CoordinatorLinks
 
 logger = logging.getLogger(__name__)
 
 #: How long a hello may go unanswered before it is sent again (to the next coordinator known).
-_HELLO_RETRY_S = 2.0
+HELLO_RETRY_S = 2.0
 
 
 class ControlPlaneTimeout(TimeoutError):
@@ -269,8 +270,8 @@ class ControlClient:
         """For a spare: block until a generation gives this process a rank.
 
         Returns:
-            The generation body; ``body["ranks"]`` maps the assigned rank (a string key) to this
-            process's identity.
+            The generation body; its maps (:func:`launcher.decisions.body_maps`) give this
+            process its rank (also in :attr:`rank`).
 
         Raises:
             ControlPlaneTimeout: not assigned within ``timeout_s``.
@@ -288,10 +289,16 @@ class ControlClient:
                 raise RuntimeError(f"the job ended before this spare was needed: {body}")
             if kind == protocol.COORDINATORS_LOST:
                 raise RuntimeError(f"no coordinator is left before this spare was needed: {body}")
-            if kind == protocol.GENERATION and self.config.identity in body["ranks"].values():
-                self.rank = next(
-                    int(r) for r, i in body["ranks"].items() if i == self.config.identity
-                )
+            if kind != protocol.GENERATION:
+                continue
+            try:
+                ranks, _ = body_maps(body)
+            except ValueError as e:
+                logger.warning("a generation this spare cannot read: %s", e)
+                continue
+            mine = [r for r, identity in ranks.items() if identity == self.config.identity]
+            if mine:
+                self.rank = mine[0]
                 return body
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -346,7 +353,7 @@ class ControlClient:
             hello["rank"] = self.rank
         self._hello = hello
         links.send(protocol.HELLO, hello)
-        next_hello = time.monotonic() + _HELLO_RETRY_S
+        next_hello = time.monotonic() + HELLO_RETRY_S
         next_beat = time.monotonic() + self.config.heartbeat_interval_s
         try:
             while not self._stop.is_set():
@@ -355,7 +362,7 @@ class ControlClient:
                     # to the next one known (a standby that took over answers).
                     links.reconnect(links.rotate())
                     links.send(protocol.HELLO, hello)
-                    next_hello = time.monotonic() + _HELLO_RETRY_S
+                    next_hello = time.monotonic() + HELLO_RETRY_S
                 wait_s = next_beat if self._welcome.is_set() else min(next_beat, next_hello)
                 timeout_ms = max(0.0, wait_s - time.monotonic()) * 1000
                 for item, _ in poller.poll(int(timeout_ms)):

@@ -340,11 +340,8 @@ class Coordinator:
             self._excuse_own_stall(now)
             if now >= next_agent_beat:
                 # Agents watch for this: a node whose coordinator is gone cleans up and exits.
-                for identity, proc in list(self.membership.procs.items()):
-                    if proc.role == "agent":
-                        self._send(identity, protocol.HEARTBEAT, {})
-                for identity in self.standbys:
-                    self._send(identity, protocol.HEARTBEAT, {})
+                agents = [i for i, p in self.membership.procs.items() if p.role == "agent"]
+                self._send_to_all([*agents, *self.standbys], protocol.HEARTBEAT, {})
                 next_agent_beat = now + AGENT_HEARTBEAT_S
             try:
                 if self._in_quorum(now):
@@ -871,6 +868,19 @@ class Coordinator:
                 logger.warning(
                     "could not send generation %d to %s: %s", gen.generation, identity, e
                 )
+
+    def _send_to_all(self, identities: list[str], type_: str, body: dict[str, Any]) -> None:
+        """One message to many, encoded and signed once (as :meth:`_broadcast`): 2,048 agents'
+        heartbeats five times a second must not cost 10,000 signatures a second."""
+        frames = self.codec.encode(type_, body, self.membership.generation)
+        for identity in identities:
+            routing = self.routes.get(identity)
+            if routing is None:
+                continue
+            try:
+                self.sock.send_multipart([routing, *frames], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                logger.warning("could not send %s to %s: %s", type_, identity, e)
 
     def _send(self, identity: str, type_: str, body: dict[str, Any], generation: int = 0) -> None:
         """Send to ``identity`` on the connection its accepted hello came on (none: dropped)."""

@@ -362,8 +362,11 @@ class Membership:
         """Check every deadline: heartbeats, acknowledgements, leavers, the policy's timers."""
         out: list[Decision] = self._check_join(now)
         timeout = self.config.heartbeat_timeout_s
-        for identity, seen in sorted(self.last_seen.items()):
-            if now - seen > timeout and identity in self.procs:
+        # One pass without sorting every member (this runs after every batch of messages):
+        # only the few that missed their heartbeats are sorted, for a deterministic order.
+        missed = sorted((i, seen) for i, seen in self.last_seen.items() if now - seen > timeout)
+        for identity, seen in missed:
+            if identity in self.procs:
                 proc = self.procs[identity]
                 agent = f"agent/{proc.node}"
                 # A rank's beats travel through its agent: when the agent has fallen silent too,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.decisions import body_maps
 from p2p_state.placement import place
 
 
@@ -60,8 +61,9 @@ def decode_generation(
     g = int(body["generation"])
     ranks = {} if body.get("full", True) or prev is None else dict(prev.ranks)
     nodes = {} if body.get("full", True) or prev is None else dict(prev.nodes)
-    ranks.update({int(r): str(i) for r, i in body["ranks"].items()})
-    nodes.update({int(r): int(n) for r, n in body["nodes"].items()})
+    carried_ranks, carried_nodes = body_maps(body)
+    ranks.update(carried_ranks)
+    nodes.update(carried_nodes)
     world = int(body["world_size"])
     ranks = {r: i for r, i in ranks.items() if r < world}
     nodes = {r: n for r, n in nodes.items() if r < world}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.decisions import body_maps
 from launcher.membership import (
     End,
     Event,
@@ -267,7 +268,7 @@ def test_spares_arriving_one_by_one_are_all_in_the_one_generation():
     assert gen.lost == [1, 2]
     # Each newcomer finds its own rank in what it receives.
     for rank, identity in ((1, "spare/a"), (2, "spare/b")):
-        assert gen.to_body(full=True)["ranks"][str(rank)] == identity
+        assert body_maps(gen.to_body(full=True))[0][rank] == identity
 
 
 def test_a_rank_that_completed_is_not_declared_hung_while_it_exits():
