@@ -105,21 +105,40 @@ def series(points: dict[int, float], n: int) -> tuple[float, str]:
 
 
 def control_plane_inputs(measured: dict[str, Any], n: int) -> Inputs:
-    """Detection and generation-change figures of the real coordinator at ``n`` ranks."""
+    """Detection and generation-change figures of the real coordinator at ``n`` ranks.
+
+    The sizes of the main run, and those of runs at larger sizes (``control_plane["larger"]``,
+    each with its own command and settings) above them. A hang is detected a heartbeat timeout
+    after the last beat, so only sizes run with the main run's timeout count for it.
+    """
     cp = measured["control_plane"]
     src = f"{cp['command']} ({cp['date']})"
+    largest = max(int(s["ranks"]) for s in cp["sizes"])
+    larger = [(run, s) for run in cp.get("larger", []) for s in run["sizes"]]
+    timeout = cp["sizes"][-1]["heartbeat_timeout_s"]
     out: Inputs = {}
     for key, field, unit, scale in (
         ("exit_detect_s", "detect_ms_p50", "s", 1e-3),
         ("generation_s", "generation_ms_p50", "s", 1e-3),
         ("hang_detect_s", "hang_detect_s_p50", "s", 1.0),
     ):
-        pts = {int(s["ranks"]): s[field] * scale for s in cp["sizes"] if s.get(field) is not None}
+        # Beyond the main run's sizes only: up to them, the inputs are the main run's alone.
+        beyond = [
+            (run, s)
+            for run, s in larger
+            if n > largest
+            and int(s["ranks"]) > largest
+            and (key != "hang_detect_s" or s["heartbeat_timeout_s"] == timeout)
+        ]
+        sizes = [*cp["sizes"], *(s for _, s in beyond)]
+        pts = {int(s["ranks"]): s[field] * scale for s in sizes if s.get(field) is not None}
         value, how = series(pts, n)
+        runs = {id(run): run for run, _ in beyond}.values()
+        sources = "".join(f"; {run['command']} ({run['date']})" for run in runs)
         p99 = field.replace("p50", "p99")
-        hi = max((s.get(p99) or s[field]) * scale for s in cp["sizes"])
+        hi = max((s.get(p99) or s[field]) * scale for s in sizes)
         out[key] = Input(
-            value, unit, "measured", f"{src}, {how}", value * 0.8, max(hi, value * 1.5)
+            value, unit, "measured", f"{src}{sources}, {how}", value * 0.8, max(hi, value * 1.5)
         )
     return out
 

@@ -253,3 +253,28 @@ def test_a_resize_by_a_node_reshards_almost_everything_at_scale():
     inp = _inputs()
     t = sm.resize_phases(inp, Job(gpus=2048), 2040)["transfer"]
     assert t >= sm.state_bytes_per_gpu(inp, 2040) / (inp["ib_gbps"].value * 1e9)
+
+
+def test_a_larger_control_plane_run_counts_only_beyond_the_main_runs_sizes():
+    measured = sm.load("measured")
+    (run,) = measured["control_plane"]["larger"]
+    (big,) = run["sizes"]
+    without = {**measured, "control_plane": {**measured["control_plane"], "larger": []}}
+    # Up to the main run's largest size, its inputs alone (values and ranges).
+    for n in (256, 2048):
+        assert sm.control_plane_inputs(measured, n) == sm.control_plane_inputs(without, n)
+    at = sm.control_plane_inputs(measured, big["ranks"])
+    assert at["generation_s"].value == pytest.approx(big["generation_ms_p50"] / 1e3)
+    assert at["exit_detect_s"].value == pytest.approx(big["detect_ms_p50"] / 1e3)
+    assert run["command"] in at["generation_s"].source and at["generation_s"].label == "measured"
+    # Its hang detection ran with another heartbeat timeout: not an input.
+    assert (
+        big["heartbeat_timeout_s"] != measured["control_plane"]["sizes"][-1]["heartbeat_timeout_s"]
+    )
+    assert run["command"] not in at["hang_detect_s"].source
+    between = sm.control_plane_inputs(measured, 4096)["generation_s"].value
+    assert (
+        measured["control_plane"]["sizes"][-1]["generation_ms_p50"] / 1e3
+        < between
+        < at["generation_s"].value
+    )
