@@ -77,6 +77,26 @@ def make_loader(args: argparse.Namespace, world_size: int, rank: int) -> Resumab
     )
 
 
+def device() -> torch.device:
+    """Where this rank trains: its GPU (``LOCAL_RANK``'s, as torchrun and p2p-run assign them),
+    else the CPU. FSDP2 moves a model built on the CPU to this device; batches are moved here."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_plain_process_group() -> None:
+    """``init_process_group`` as a plain FSDP2 script calls it: NCCL on this rank's GPU where
+    there is one (gloo beside it for CPU tensors), gloo alone on CPUs."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device())
+    else:
+        dist.init_process_group("gloo")
+
+
 def make_build(args: argparse.Namespace, restoring=lambda: False):
     """The factory of the sharded model, its optimizer and its LR schedule.
 
@@ -99,7 +119,7 @@ def make_build(args: argparse.Namespace, restoring=lambda: False):
             fully_shard(block, reshard_after_forward=False)
         fully_shard(model, reshard_after_forward=False)
         if skip_init:
-            model.to_empty(device="cpu")
+            model.to_empty(device=device())
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
         return model, optimizer, scheduler
@@ -113,7 +133,7 @@ def make_warmup_step(args: argparse.Namespace):
     rows = max(1, args.global_batch // int(os.environ.get("WORLD_SIZE", "1")))
 
     def warmup_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        tokens = torch.zeros(rows, cfg.seq_len + 1, dtype=torch.long)
+        tokens = torch.zeros(rows, cfg.seq_len + 1, dtype=torch.long, device=device())
         lm_loss(model, tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

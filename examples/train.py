@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     with p2p_state.protect(build, loader=loader, max_steps=args.steps) as job:
         for step, batch in job:
             with job.step():
-                loss = lm_loss(job.model, batch.long())
+                loss = lm_loss(job.model, batch.long().to(common.device()))
                 # The same update at any world size (1.0 when the global batch divides).
                 (loss * loader.loss_weight()).backward()
                 job.optimizer.step()

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     timeline.mark("started", t=STARTED, pid=os.getpid())
     timeline.mark("imported")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    common.init_plain_process_group()
     timeline.mark("communicators")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed * 1000 + rank)  # each rank's dropout stream
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         batch = loader.next_batch()
         if step == start + 1:
             timeline.mark("data_ready", step=step)
-        loss = lm_loss(model, batch.long())
+        loss = lm_loss(model, batch.long().to(common.device()))
         # The same update at any world size (1.0 when the global batch divides).
         (loss * loader.loss_weight()).backward()
         optimizer.step()
