@@ -18,17 +18,21 @@ created: the training thread creates them one at a time under a lock, and the co
 sockets that appear during each creation are that group's (listening sockets are never touched:
 gloo treats a failed ``accept`` as fatal).
 
-NCCL groups are aborted all together, inside one NCCL group (``ncclGroupStart``/``End``), as
-torch's own ``_abort_process_group`` does: aborting communicators that have kernels in flight
-one after another can hang (pytorch#119797), and FSDP's group and the replication group both
-have kernels in flight by design. An abort may still block (a wedged GPU), so it never runs on
-the thread that sends heartbeats (:meth:`Comms.abort_in_background`): a survivor whose abort
-blocks stays alive to the coordinator and is not declared hung.
+NCCL groups are aborted all at once, each on a thread of its own (:func:`abort_together`):
+aborting communicators that have kernels in flight one after another hangs (pytorch#119797),
+and FSDP's group and the replication group both have kernels in flight by design. An abort may
+still block (a wedged GPU), so it never runs on the thread that sends heartbeats
+(:meth:`Comms.abort_in_background`): a survivor whose abort blocks stays alive to the
+coordinator and is not declared hung.
 
-Every group is created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, the setting the abort API
-requires: with torch's default, ProcessGroupNCCL's watchdog tears the process down on an NCCL
-error or timeout, and a survivor whose collective failed before the interrupt arrived would
-die and use up a spare.
+Every group is created with :data:`NCCL_ENVIRONMENT`: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
+the setting the abort API requires (with torch's default, ProcessGroupNCCL's watchdog tears the
+process down on an NCCL error or timeout, and a survivor whose collective failed before the
+interrupt arrived would die and use up a spare), and ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: with
+the flight recorder's dump on, the watchdog that sees the dead peer's error waits up to
+``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s) for the dump, and destroying the group joins that
+watchdog, so every survivor missed the next generation's acknowledgement deadline (seen on an
+H100).
 """
 
 from __future__ import annotations
@@ -56,6 +60,20 @@ logger = logging.getLogger(__name__)
 ENV_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 #: No handling by the watchdog: errors surface as failed collectives and this engine aborts.
 NCCL_ASYNC_ERROR_HANDLING = "0"
+#: What ProcessGroupNCCL reads when a group is constructed, as every group of the engine is made
+#: (see the module docstring), and why.
+NCCL_ENVIRONMENT = {
+    ENV_NCCL_ASYNC_ERROR_HANDLING: (
+        NCCL_ASYNC_ERROR_HANDLING,
+        "the engine aborts NCCL groups itself, and the watchdog's handling would tear down "
+        "survivors",
+    ),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": (
+        "0",
+        "a flight-recorder dump holds the watchdog for up to TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC "
+        "on every failure, and leaving the generation waits for the watchdog",
+    ),
+}
 
 #: Serialises the creation of sockets whose ownership is recorded (see the module docstring).
 _CREATE_LOCK = threading.Lock()
@@ -116,6 +134,7 @@ class Comms:
     _sockets: dict[int, int] = field(default_factory=dict)  # fd -> inode
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _aborted: bool = False
+    _abort_done: threading.Event = field(default_factory=threading.Event)
     _destroyed: bool = False
 
     @property
@@ -168,20 +187,31 @@ class Comms:
         return pg
 
     def abort(self) -> None:
-        """Make every collective in flight on these groups fail now. Thread-safe, idempotent."""
+        """Make every collective in flight on these groups fail now. Thread-safe, idempotent.
+
+        A caller that finds an abort already under way (the heartbeat thread started it) waits
+        for it, within :data:`ABORT_WAIT_S`: whoever goes on to destroy the groups or form new
+        ones must not do so under a running abort.
+        """
         with self._lock:
-            if self._aborted or self._destroyed:
-                self._aborted = True
-                return
+            first = not (self._aborted or self._destroyed)
             self._aborted = True
-        # Newest group first, as torch's _abort_process_group orders them.
-        nccl = [
-            pg for pg in (*reversed(self.groups.values()), self.default) if pg and _has_nccl(pg)
-        ]
-        if nccl:
-            abort_together(nccl, _nccl_backend(nccl[-1]), self.generation)
-        n = self._shutdown_all()
-        self._close_store()  # a member blocked in the rendezvous returns now, not at its deadline
+        if not first:
+            if not self._abort_done.wait(ABORT_WAIT_S):
+                logger.warning(
+                    "generation %d: its groups' abort still running after %.0f s; going on",
+                    self.generation,
+                    ABORT_WAIT_S,
+                )
+            return
+        try:
+            nccl = [pg for pg in (*self.groups.values(), self.default) if pg and _has_nccl(pg)]
+            if nccl:
+                abort_together(nccl, self.generation)
+            n = self._shutdown_all()
+            self._close_store()  # a member blocked in the rendezvous returns now
+        finally:
+            self._abort_done.set()
         logger.info("generation %d: aborted its groups (%d sockets shut down)", self.generation, n)
 
     def abort_in_background(self) -> threading.Thread | None:
@@ -243,20 +273,52 @@ def _has_nccl(pg: Any) -> bool:
     return _nccl_backend(pg) is not None
 
 
-def abort_together(groups: list[Any], nccl: Any, generation: int) -> None:
-    """Abort ``groups`` inside one NCCL group opened on backend ``nccl`` (pytorch#119797).
+#: How long an abort waits for the NCCL aborts it started (torch bounds each by the group's
+#: timeout, minutes; a survivor must be out in time to join the next generation).
+ABORT_WAIT_S = 30.0
 
-    Every group is aborted even if one abort fails, and the NCCL group is always closed.
+
+def abort_together(groups: list[Any], generation: int, wait_s: float = ABORT_WAIT_S) -> None:
+    """Abort ``groups`` all at once, each on a thread of its own; wait up to ``wait_s``.
+
+    ``ncclCommAbort`` first tells its communicator's kernels to quit, then reclaims the
+    communicator, which waits for the device; while a kernel of another communicator still
+    spins for a dead peer, that wait never ends. Aborted one after another, the first abort
+    waits for a kernel only the second would stop (pytorch#119797). Torch's answer, one NCCL
+    group around the aborts, does not hold where ``ProcessGroupNCCL.abort`` runs
+    ``ncclCommAbort`` on a thread of its own (torch 2.11: the group is per thread), and there
+    the aborts hung on an H100. Started together, every communicator's kernels are told to
+    quit before any reclaim waits.
+
+    A failing abort does not stop the others; an abort still running at the deadline is
+    logged and left behind (its thread is a daemon).
     """
-    nccl._group_start()
-    try:
-        for pg in groups:
-            try:
-                pg.abort()
-            except Exception as e:  # an abort that fails must not stop the others
-                logger.warning("aborting a NCCL group of generation %d: %s", generation, e)
-    finally:
-        nccl._group_end()
+
+    def abort(pg: Any) -> None:
+        try:
+            pg.abort()
+        except Exception as e:
+            logger.warning("aborting a NCCL group of generation %d: %s", generation, e)
+
+    threads = [
+        threading.Thread(target=abort, args=(pg,), name=f"p2p-abort-gen{generation}-{i}")
+        for i, pg in enumerate(groups)
+    ]
+    for thread in threads:
+        thread.daemon = True
+        thread.start()
+    deadline = time.monotonic() + wait_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = sum(thread.is_alive() for thread in threads)
+    if left:
+        logger.warning(
+            "generation %d: %d of %d NCCL group aborts still running after %.0f s; going on",
+            generation,
+            left,
+            len(threads),
+            wait_s,
+        )
 
 
 def _side_group_options(backend: str, max_ctas: int) -> Any:
@@ -269,17 +331,12 @@ def _side_group_options(backend: str, max_ctas: int) -> Any:
 
 
 def _set_nccl_environment() -> None:
-    """Give the group about to be created the NCCL error handling the abort API requires."""
-    previous = os.environ.get(ENV_NCCL_ASYNC_ERROR_HANDLING)
-    if previous not in (None, NCCL_ASYNC_ERROR_HANDLING):
-        logger.warning(
-            "%s=%s replaced by %s: the engine aborts NCCL groups itself, and the watchdog's "
-            "handling would tear down survivors",
-            ENV_NCCL_ASYNC_ERROR_HANDLING,
-            previous,
-            NCCL_ASYNC_ERROR_HANDLING,
-        )
-    os.environ[ENV_NCCL_ASYNC_ERROR_HANDLING] = NCCL_ASYNC_ERROR_HANDLING
+    """Give the group about to be created the NCCL environment the engine's abort requires."""
+    for name, (value, why) in NCCL_ENVIRONMENT.items():
+        previous = os.environ.get(name)
+        if previous not in (None, value):
+            logger.warning("%s=%s replaced by %s: %s", name, previous, value, why)
+        os.environ[name] = value
 
 
 def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:

@@ -1,5 +1,6 @@
-"""NCCL fault handling that can be checked without a GPU: the abort's order and thread, the
-environment every group is created with, and a failed step's frames released before recovery.
+"""NCCL fault handling that can be checked without a GPU: the aborts started together, off the
+heartbeat thread and bounded, the environment every group is created with, and a failed step's
+frames released before recovery.
 
 Stand-in groups record what is done to them; the GPU behaviour itself is checked by
 ``tests/recovery/test_nccl_gpu.py`` and ``p2p-bench gpu-check`` where CUDA is present.
@@ -19,6 +20,7 @@ from recovery import comms as comms_mod
 from recovery.comms import (
     ENV_NCCL_ASYNC_ERROR_HANDLING,
     NCCL_ASYNC_ERROR_HANDLING,
+    NCCL_ENVIRONMENT,
     Comms,
     CommsSpec,
     abort_together,
@@ -45,43 +47,70 @@ def _spec(port: int = 0) -> CommsSpec:
 
 
 class _Recorder:
-    """A stand-in NCCL backend and process group that records calls in one shared log."""
+    """A stand-in NCCL process group that records its abort in one shared log."""
 
     def __init__(self, name: str, log: list[str], *, fail: bool = False, block=None) -> None:
         self.name, self.log, self.fail, self.block = name, log, fail, block
 
-    def _group_start(self) -> None:
-        self.log.append("group_start")
-
-    def _group_end(self) -> None:
-        self.log.append("group_end")
-
     def abort(self) -> None:
         self.log.append(f"abort {self.name}")
-        if self.block is not None:
+        if isinstance(self.block, threading.Barrier):
+            self.block.wait(HANG_DEADLINE_S)  # BrokenBarrierError if the others never start
+        elif self.block is not None:
             assert self.block.wait(HANG_DEADLINE_S)
         if self.fail:
             raise RuntimeError("NCCL error: unhandled system error")
+        self.log.append(f"aborted {self.name}")
 
 
-def test_nccl_groups_are_aborted_together_inside_one_nccl_group() -> None:
+def test_an_abort_that_waits_for_the_other_communicator_does_not_hang(caplog) -> None:
+    # As ncclCommAbort's reclaim does: each abort returns only once every communicator was
+    # told to quit. One after another, the first would wait for the second forever.
+    log: list[str] = []
+    both_started = threading.Barrier(2)
+    groups = [_Recorder(n, log, block=both_started) for n in ("replication", "default")]
+    abort_together(groups, generation=3, wait_s=HANG_DEADLINE_S)
+    assert sorted(log) == [
+        "abort default",
+        "abort replication",
+        "aborted default",
+        "aborted replication",
+    ]
+    assert "still running" not in caplog.text and "aborting a NCCL group" not in caplog.text
+
+
+def test_a_failing_abort_does_not_stop_the_others(caplog) -> None:
     log: list[str] = []
     groups = [_Recorder("replication", log, fail=True), _Recorder("default", log)]
-    abort_together(groups, groups[-1], generation=3)
-    # Every abort between one start and one end, a failing abort not stopping the next.
-    assert log == ["group_start", "abort replication", "abort default", "group_end"]
+    abort_together(groups, generation=3)
+    assert "aborted default" in log and "abort replication" in log
+    assert "aborting a NCCL group of generation 3: NCCL error" in caplog.text
 
 
-def test_comms_abort_orders_newest_group_first_with_the_default_last(monkeypatch) -> None:
+def test_an_abort_that_never_returns_is_left_behind_at_the_deadline(caplog) -> None:
+    log: list[str] = []
+    never = threading.Event()
+    groups = [_Recorder("wedged", log, block=never), _Recorder("default", log)]
+    abort_together(groups, generation=3, wait_s=0.2)
+    assert "aborted default" in log and "aborted wedged" not in log
+    assert "1 of 2 NCCL group aborts still running" in caplog.text
+    never.set()
+
+
+def test_comms_abort_aborts_every_nccl_group_with_the_default(monkeypatch) -> None:
     log: list[str] = []
     comms = Comms(_spec())
     comms.default = _Recorder("default", log)
     comms.groups = {"replication": _Recorder("replication", log), "ckpt": _Recorder("ckpt", log)}
     monkeypatch.setattr(comms_mod, "_nccl_backend", lambda pg: pg)
     comms.abort()
-    assert log == ["group_start", "abort ckpt", "abort replication", "abort default", "group_end"]
+    assert sorted(e for e in log if e.startswith("aborted")) == [
+        "aborted ckpt",
+        "aborted default",
+        "aborted replication",
+    ]
     comms.abort()  # idempotent
-    assert log.count("group_start") == 1
+    assert log.count("abort default") == 1
 
 
 def test_a_blocked_abort_leaves_the_calling_thread_free(monkeypatch) -> None:
@@ -96,10 +125,16 @@ def test_a_blocked_abort_leaves_the_calling_thread_free(monkeypatch) -> None:
     deadline = threading.Event()
     while "abort default" not in log:
         assert not deadline.wait(0.01) and thread.is_alive()
-    assert "group_end" not in log and thread.is_alive()
+    assert "aborted default" not in log and thread.is_alive()
+    # The training thread, breaking the same generation, waits for that abort to end.
+    second = threading.Thread(target=comms.abort)
+    second.start()
+    second.join(0.2)
+    assert second.is_alive(), "a second abort returned while the first was still running"
     release.set()
     thread.join(HANG_DEADLINE_S)
-    assert not thread.is_alive() and log[-1] == "group_end"
+    second.join(HANG_DEADLINE_S)
+    assert not thread.is_alive() and not second.is_alive() and log[-1] == "aborted default"
     assert comms.abort_in_background() is None  # already aborted: nothing more to start
 
 
@@ -116,13 +151,14 @@ def test_the_session_aborts_off_the_heartbeat_thread() -> None:
     assert started == ["background"]
 
 
-def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypatch) -> None:
+def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypatch, caplog):
     monkeypatch.setenv(ENV_NCCL_ASYNC_ERROR_HANDLING, "3")  # torch's default tears down
-    seen: list[tuple[str, str | None]] = []
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # holds the watchdog 15 s
+    seen: list[tuple[str, dict[str, str | None]]] = []
 
     def record(what):
         def create(*args, **kwargs):
-            seen.append((what, comms_mod.os.environ.get(ENV_NCCL_ASYNC_ERROR_HANDLING)))
+            seen.append((what, {n: comms_mod.os.environ.get(n) for n in NCCL_ENVIRONMENT}))
             return types.SimpleNamespace(set_timeout=lambda t: None)
 
         return create
@@ -133,11 +169,11 @@ def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypat
     comms = create_comms(_spec(master.port), register=lambda c: None)
     comms.group("replication", "gloo")
     comms.group("ckpt", "gloo")
-    assert seen == [
-        ("default", NCCL_ASYNC_ERROR_HANDLING),
-        ("new_group", NCCL_ASYNC_ERROR_HANDLING),
-        ("new_group", NCCL_ASYNC_ERROR_HANDLING),
-    ]
+    wanted = {ENV_NCCL_ASYNC_ERROR_HANDLING: NCCL_ASYNC_ERROR_HANDLING}
+    wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"
+    assert seen == [("default", wanted), ("new_group", wanted), ("new_group", wanted)]
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 replaced by 0" in caplog.text
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1 replaced by 0" in caplog.text
     comms.default = None  # a stand-in: nothing to destroy
     comms.destroy()
 
