@@ -456,7 +456,8 @@ def notes(report: FaultRunReport) -> list[str]:
         "fault until training is back at the step it had reached.",
         f"Measured on {report.machine.cpus} CPU cores"
         + (f" and {gpu}" if gpu else ", no GPU")
-        + " (gloo over loopback); ranks of emulated nodes share the cores.",
+        + (" (NCCL beside gloo" if gpu else " (gloo")
+        + " over loopback); ranks of emulated nodes share the cores.",
     ]
     if report.restart is not None:
         every = report.job.checkpoint_every

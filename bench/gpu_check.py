@@ -156,7 +156,11 @@ def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, A
     fault = (run["faults"] or [{}])[0]
     return {
         "fault": KILL,
-        "passed": bool(run["bitwise_equal"]) and not run["not_fired"],
+        # Bitwise alone is not enough: a job that restarted every process from its initial
+        # state (survivors lost) also ends bitwise equal, with no recovery from peers at all.
+        "passed": bool(run["bitwise_equal"])
+        and not run["not_fired"]
+        and fault.get("restored_from") == "peers",
         "bitwise_equal": run["bitwise_equal"],
         "differences": run["differences"],
         "restored_from": fault.get("restored_from"),

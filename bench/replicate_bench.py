@@ -6,8 +6,9 @@ with fewer GPUs than ranks each rank is a host of its own to NCCL, :mod:`bench.s
 and the bytes go over NCCL's socket transport):
 
 - ``replication_gbps`` vs ``raw_sendrecv_gbps``: the replicator's transfer (headers, chunked
-  batched isend/irecv, the same buddy pattern) against one plain isend/irecv of a tensor of the
-  same size on the same process group; rounds of the two alternate so drift hits both alike.
+  batched isend/irecv, the same buddy pattern) against one plain batched isend/irecv pair of a
+  tensor of the same size on the same process group; rounds of the two alternate so drift hits
+  both alike.
 - ``step_time_ms_on`` vs ``step_time_ms_off``: training steps with replication every step vs
   none, in alternating blocks; medians.
 - ``snapshot_gbps`` vs ``memcpy_gbps``: the snapshot copy of the live state vs a plain
@@ -110,7 +111,7 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
                 times[mode].append(time.perf_counter() - t0)
     in_training = list(rep.stats)[first_round:]
 
-    # Standalone transfers: the replicator's round vs one plain isend/irecv of the same bytes.
+    # Standalone transfers: the replicator's round vs one plain send/receive of the same bytes.
     holder, owner = rep.holders[0], rep.owners[0]
     wire = device if rep.backend == "nccl" else torch.device("cpu")
     send_buf = torch.randint(0, 255, (state.layout.total_bytes,), dtype=torch.uint8, device=wire)
@@ -128,12 +129,16 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
         )
         dist.barrier()
         t0 = time.perf_counter()
-        works = [
-            dist.isend(send_buf, holder, group=rep.group),
-            dist.irecv(recv_buf, owner, group=rep.group),
-        ]
+        # One batched pair, as the replicator posts its own: on NCCL an unbatched send would
+        # make a communicator of its own for the pair, and a lone send and receive to two
+        # different peers can deadlock.
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send_buf, holder, rep.group),
+                dist.P2POp(dist.irecv, recv_buf, owner, rep.group),
+            ]
+        )
         for w in works:
-            assert w is not None  # None only inside a coalescing manager
             w.wait()
         sync()
         raw_gbps.append(send_buf.numel() / (time.perf_counter() - t0) / 1e9)
