@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="p2p-demo-") as tmp:
         root = Path(args.run_dir or tmp)
         common = {"model": args.model, "steps": args.steps, "cache_dir": str(root / "cache")}
+        # The CPU path on any machine: the emulated nodes share this machine, and on its GPUs
+        # NCCL would refuse two of them on one device (bench/shared_gpu.py is the way there).
+        common["env"] = {"CUDA_VISIBLE_DEVICES": ""}
         print(
             f"[demo] {args.steps} steps of the {args.model} model, FSDP2 on 2 nodes x 2 ranks "
             "(gloo), 1 hot spare; rank 1 is SIGKILLed during the backward pass of step "
