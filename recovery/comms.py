@@ -194,8 +194,10 @@ class Comms:
         ones must not do so under a running abort.
         """
         with self._lock:
-            first = not (self._aborted or self._destroyed)
+            first, destroyed = not self._aborted, self._destroyed
             self._aborted = True
+        if destroyed:  # nothing left to abort, nor to wait for
+            return
         if not first:
             if not self._abort_done.wait(ABORT_WAIT_S):
                 logger.warning(

@@ -113,6 +113,15 @@ def test_comms_abort_aborts_every_nccl_group_with_the_default(monkeypatch) -> No
     assert log.count("abort default") == 1
 
 
+def test_an_abort_after_destroy_does_not_wait() -> None:
+    comms = Comms(_spec())
+    comms.destroy()
+    done = threading.Thread(target=comms.abort)
+    done.start()
+    done.join(HANG_DEADLINE_S / 3)  # would wait the whole ABORT_WAIT_S for an abort never begun
+    assert not done.is_alive() and comms.aborted
+
+
 def test_a_blocked_abort_leaves_the_calling_thread_free(monkeypatch) -> None:
     log: list[str] = []
     release = threading.Event()
