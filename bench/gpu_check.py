@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the GPU unit tests")
     p.add_argument(
+        "--only",
+        metavar="CHECK[,CHECK...]",
+        help="run only these checks (to rerun one that failed): " + ", ".join(CHECKS),
+    )
+    p.add_argument(
         "--model",
         default="example",
         choices=["tiny", "small", "example"],
@@ -55,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the checks; 0 also where there is no GPU (nothing to check)."""
     if args.mib < 1 or args.repeats < 1:
         raise UsageError("--mib and --repeats must be at least 1")
+    only = _only(args.only)
     if not torch.cuda.is_available():
         line = "gpu-check: no CUDA device on this machine; nothing to check"
         print(json.dumps({"benchmark": "gpu-check", "cuda": False}) if args.json else line)
@@ -77,14 +84,30 @@ def run(args: argparse.Namespace) -> int:
     checks["kill_and_recover"] = lambda: _kill_and_recover(folder, args.model)
     if not args.skip_tests:  # last: the longest, and the measurements need not wait for it
         checks["unit_tests"] = lambda: _unit_tests(folder)
+    left_out = [name for name in CHECKS if name not in checks or (only and name not in only)]
     for name, check in checks.items():
-        report.checks[name] = _guarded(check)
-        _write_json(report, folder)  # a run cut short still leaves what it measured
+        if name not in left_out:
+            report.checks[name] = _guarded(check)
+            _write_json(report, folder)  # a run cut short still leaves what it measured
     report.not_measured = ["replication and recovery across machines (one machine here)"]
+    if left_out:
+        report.not_measured.append("left out: " + ", ".join(left_out))
     _write_json(report, folder)
     (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
     print(json.dumps(report.to_json()) if args.json else _table(report))
     return 0 if report.passed else 1
+
+
+def _only(value: str | None) -> list[str]:
+    """The checks ``--only`` names (empty: all)."""
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or (value is not None and not names):
+        raise UsageError(
+            f"--only: no check named {', '.join(unknown) or repr(value)}; "
+            f"name one or more of {', '.join(CHECKS)}, separated by commas"
+        )
+    return names
 
 
 def _guarded(check: Callable[[], CheckResult]) -> CheckResult | CheckError:
@@ -149,8 +172,10 @@ def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, A
         inject += ["--checkpoint-every", "4", "--out-dir", str(out), "--work-dir", work]
         inject += ["--timeout", str(RUN_TIMEOUT_S)]
         inject += ["--script", str(ROOT / "bench" / "shared_gpu.py"), "--", *script]
-        # Two runs (fault-free and faulty) and the report: within three run deadlines.
-        lines = _bench(inject, folder / "kill-and-recover.log", 3 * RUN_TIMEOUT_S, ok=(0, 1))
+        try:  # two runs (fault-free and faulty) and the report: within three run deadlines
+            lines = _bench(inject, folder / "kill-and-recover.log", 3 * RUN_TIMEOUT_S, ok=(0, 1))
+        finally:  # the processes' own logs, what a failed recovery is read from
+            _keep_logs(Path(work), out / "logs")
     report = json.loads(lines[-1])
     run = report["modes"]["checkpointless"]
     fault = (run["faults"] or [{}])[0]
@@ -169,6 +194,13 @@ def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, A
         "phases_ms": {k: v * 1e3 for k, v in fault.get("phases", {}).items()},
         "report": str(out / "report.json"),
     }
+
+
+def _keep_logs(work: Path, into: Path) -> None:
+    """Copy every log under ``work`` into ``into``, named by its path under ``work``."""
+    for log in sorted(work.rglob("*.log")):
+        into.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, into / "-".join(log.relative_to(work).parts))
 
 
 def _replication(folder: Path, preset: str, nproc: int = 2) -> dict[str, Any]:
@@ -328,7 +360,7 @@ def _pinned_bytes() -> int:
 def _table(report: GpuCheckReport) -> str:
     lines = [f"gpu-check on {report.device} x{report.num_gpus}"]
     if "unit_tests" not in report.checks:
-        lines.append("  unit tests       skipped (--skip-tests)")
+        lines.append("  unit tests       not run")
     for name, render in _SECTIONS.items():
         value = report.checks.get(name)
         if isinstance(value, CheckError):
@@ -437,3 +469,7 @@ _SECTIONS: dict[str, Callable[[Any], list[str]]] = {
 def _write_json(report: GpuCheckReport, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+
+
+#: Every check's name, in the order run.
+CHECKS = (*(name for name in _SECTIONS if name != "unit_tests"), "unit_tests")

@@ -16,6 +16,7 @@ import torch
 
 from bench import gpu_check
 from bench.bench_reports import CheckError, GpuCheckReport
+from bench.fault_runs import UsageError
 from bench.gpu_state_checks import bitwise_restore, rebuild_peak, replicate_blocking, stream_race
 
 CPU = torch.device("cpu")
@@ -232,9 +233,9 @@ def faked_checks(monkeypatch, replication, kill):
     return unit_tests
 
 
-def _args(out, as_json: bool) -> argparse.Namespace:
+def _args(out, as_json: bool, only: str | None = None) -> argparse.Namespace:
     return argparse.Namespace(
-        mib=1, repeats=1, skip_tests=False, model="tiny", out=str(out), json=as_json
+        mib=1, repeats=1, skip_tests=False, only=only, model="tiny", out=str(out), json=as_json
     )
 
 
@@ -267,6 +268,39 @@ def test_a_run_cut_short_leaves_the_checks_it_finished(faked_checks, tmp_path, c
     report = GpuCheckReport.from_json(doc)
     assert report.not_measured is None and "unit_tests" not in report.checks
     lines = gpu_check._table(report).splitlines()
-    assert lines[1] == "  unit tests       skipped (--skip-tests)"
+    assert lines[1] == "  unit tests       not run"
     assert "  stream_race      ERROR RuntimeError: out of memory" in lines
     assert lines[-1] == "  not measured yet: "
+
+
+def test_only_runs_the_checks_it_names_and_the_report_says_what_it_left_out(
+    faked_checks, tmp_path, capsys
+):
+    assert gpu_check.run(_args(tmp_path, True, only="kill_and_recover, copies")) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [k for k in printed if k in gpu_check.CHECKS] == ["copies", "kill_and_recover"]
+    left_out = [n for n in gpu_check.CHECKS if n not in ("copies", "kill_and_recover")]
+    assert printed["not_measured"][-1] == "left out: " + ", ".join(left_out)
+    lines = gpu_check._table(GpuCheckReport.from_json(printed)).splitlines()
+    assert lines[1] == "  unit tests       not run"
+
+
+@pytest.mark.parametrize("only", ["kill", "copies,nope", ","])
+def test_only_with_no_such_check_is_refused_with_the_names_to_choose_from(
+    faked_checks, tmp_path, only
+):
+    with pytest.raises(UsageError, match="name one or more of copies, checksum"):
+        gpu_check.run(_args(tmp_path, True, only=only))
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_the_kill_check_keeps_every_process_log_of_its_runs(tmp_path):
+    work = tmp_path / "work"
+    (work / "checkpointless").mkdir(parents=True)
+    (work / "checkpointless" / "p2p-run-1.log").write_text("injecting\n")
+    (work / "checkpointless" / "model.distcp").write_text("not a log")
+    (work / "reference.log").write_text("fault-free\n")
+    gpu_check._keep_logs(work, tmp_path / "logs")
+    kept = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert kept == ["checkpointless-p2p-run-1.log", "reference.log"]
+    assert (tmp_path / "logs" / "checkpointless-p2p-run-1.log").read_text() == "injecting\n"
