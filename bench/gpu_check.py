@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,7 +136,8 @@ def _state_checks(device: torch.device, preset: str) -> dict[str, Callable[[], A
 def _unit_tests(folder: Path) -> dict[str, Any]:
     """Run ``pytest -m gpu``; its whole output goes to ``unit-tests.log`` in the report folder."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+        # The project's addopts already ask for -q: a second one would drop the summary line.
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=_python_path()),
         stdout=subprocess.PIPE,
@@ -146,12 +148,16 @@ def _unit_tests(folder: Path) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "unit-tests.log").write_text(proc.stdout)
     lines = proc.stdout.strip().splitlines()
+    counts = [line for line in lines if _PYTEST_SUMMARY.search(line)]
     return {
         "passed": proc.returncode == 0,
-        "summary": (lines or [""])[-1],
+        "summary": (counts or lines or [""])[-1].strip("= "),
         "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
     }
 
+
+#: pytest's closing line: ``8 passed, 3 skipped in 12.01s`` (between ``=`` rules without -q).
+_PYTEST_SUMMARY = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
 
 #: The fault of the kill-and-recover check: a rank of the second node, mid-run.
 KILL = "kill:rank=3@step=6"

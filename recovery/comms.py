@@ -28,11 +28,12 @@ coordinator and is not declared hung.
 Every group is created with :data:`NCCL_ENVIRONMENT`: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
 the setting the abort API requires (with torch's default, ProcessGroupNCCL's watchdog tears the
 process down on an NCCL error or timeout, and a survivor whose collective failed before the
-interrupt arrived would die and use up a spare), and ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: with
-the flight recorder's dump on, the watchdog that sees the dead peer's error waits up to
-``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (15 s) for the dump, and destroying the group joins that
-watchdog, so every survivor missed the next generation's acknowledgement deadline (seen on an
-H100).
+interrupt arrived would die and use up a spare); ``TORCH_NCCL_DUMP_ON_TIMEOUT=0`` and
+``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0``: the watchdog that sees the dead peer's error before
+the abort does waits that long (15 s by default) for a flight-recorder dump, then sleeps four
+times as long whether a dump was made or not, and destroying the group joins the watchdog, so a
+survivor missed the next generation's acknowledgement deadline and was replaced (both seen on
+an H100).
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ NCCL_ENVIRONMENT = {
         "0",
         "a flight-recorder dump holds the watchdog for up to TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC "
         "on every failure, and leaving the generation waits for the watchdog",
+    ),
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": (
+        "0",
+        "the watchdog that sees a failure waits this long for a dump and then sleeps four times "
+        "as long, dump or not, and leaving the generation waits for the watchdog",
     ),
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -304,3 +305,11 @@ def test_the_kill_check_keeps_every_process_log_of_its_runs(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert kept == ["checkpointless-p2p-run-1.log", "reference.log"]
     assert (tmp_path / "logs" / "checkpointless-p2p-run-1.log").read_text() == "injecting\n"
+
+
+def test_the_unit_test_check_reports_pytest_s_counts(tmp_path):
+    """Here every GPU test skips; the summary is pytest's closing line, not a skip reason."""
+    result = gpu_check._unit_tests(tmp_path)
+    assert result["passed"] is True and result["failures"] == []
+    assert re.fullmatch(r"\d+ skipped, \d+ deselected in [\d.]+s", result["summary"])
+    assert "needs a CUDA device" in (tmp_path / "unit-tests.log").read_text()

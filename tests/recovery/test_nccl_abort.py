@@ -163,6 +163,7 @@ def test_the_session_aborts_off_the_heartbeat_thread() -> None:
 def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypatch, caplog):
     monkeypatch.setenv(ENV_NCCL_ASYNC_ERROR_HANDLING, "3")  # torch's default tears down
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # holds the watchdog 15 s
+    monkeypatch.delenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", raising=False)  # 15 s, then 60 s
     seen: list[tuple[str, dict[str, str | None]]] = []
 
     def record(what):
@@ -180,6 +181,7 @@ def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypat
     comms.group("ckpt", "gloo")
     wanted = {ENV_NCCL_ASYNC_ERROR_HANDLING: NCCL_ASYNC_ERROR_HANDLING}
     wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"
+    wanted["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = "0"
     assert seen == [("default", wanted), ("new_group", wanted), ("new_group", wanted)]
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 replaced by 0" in caplog.text
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1 replaced by 0" in caplog.text

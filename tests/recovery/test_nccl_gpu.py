@@ -103,6 +103,7 @@ def _alone(port: int, results) -> None:
             "abort_s": time.monotonic() - t0,
             "error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
             "dump_on_timeout": os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT"),
+            "dump_wait_ms": os.environ.get("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"),
         }
     )
 
@@ -120,6 +121,7 @@ def test_one_gpu_groups_with_kernels_in_flight_are_aborted_together_without_a_ha
         outcome = results.get(timeout=DEADLINE_S)
         assert outcome["abort_s"] < DEADLINE_S / 2
         assert outcome["error_handling"] == "0" and outcome["dump_on_timeout"] == "0"
+        assert outcome["dump_wait_ms"] == "0"
         proc.join(DEADLINE_S)
         assert proc.exitcode == 0
     finally:
