@@ -175,6 +175,7 @@ class ControlClient:
         self.store_port = 0
         self.store_host = config.coordinators[0].rsplit(":", 1)[0]
         self._last_ack: tuple[dict[str, Any], int] | None = None
+        self._last_arrived: tuple[dict[str, Any], int] | None = None
         self._last_replicated: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -242,6 +243,12 @@ class ControlClient:
     def ack(self, generation: int) -> None:
         """Acknowledge a generation (after this rank has joined it)."""
         self._post(protocol.ACK, {"generation": int(generation)}, generation)
+
+    def arrived(self, generation: int) -> None:
+        """Say this process has left its old generation's groups and is forming ``generation``'s:
+        if the generation does not form in time, the coordinator replaces only those that never
+        arrived."""
+        self._post(protocol.ARRIVED, {"generation": int(generation)}, generation)
 
     def store_address(self, timeout_s: float = 30.0) -> tuple[str, int]:
         """``(host, port)`` of the rendezvous store, once the coordinator has welcomed us."""
@@ -431,6 +438,8 @@ class ControlClient:
                 return
             if type_ == protocol.ACK:
                 self._last_ack = (body, gen)
+            elif type_ == protocol.ARRIVED:
+                self._last_arrived = (body, gen)
             elif type_ == protocol.REPLICATED:
                 self._last_replicated = body
             links.send(type_, body, gen)
@@ -444,6 +453,8 @@ class ControlClient:
             # it said hello after the last mirror, from this hello); what the old coordinator
             # may have missed goes again (duplicates change nothing there).
             links.send(protocol.HELLO, self._hello)  # answered at once if it knows us
+            if self._last_arrived is not None:
+                links.send(protocol.ARRIVED, *self._last_arrived)
             if self._last_ack is not None:
                 links.send(protocol.ACK, *self._last_ack)
             if self._last_replicated is not None:

@@ -721,6 +721,8 @@ class Coordinator:
             self._apply(self.membership.fault(msg.sender, f"reported: {body.get('reason')}", now))
         elif msg.type == protocol.ACK:
             self._apply(self.membership.ack(msg.sender, int(body["generation"]), now))
+        elif msg.type == protocol.ARRIVED:
+            self._apply(self.membership.arrive(msg.sender, int(body["generation"])))
         elif msg.type == protocol.EXITED:
             identity = str(body["identity"])
             self._check_reporter(msg.sender, identity)

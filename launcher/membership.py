@@ -186,6 +186,8 @@ class Membership:
         self.pending: Generation | None = None
         self.awaiting: set[str] = set()
         """Members of the pending generation that have not acknowledged it yet."""
+        self.arrived: set[str] = set()
+        """Members of the pending generation that left their old groups and are forming it."""
         self.ack_deadline = 0.0
         self.vacant: dict[int, str] = {}
         """Lost ranks not replaced yet -> the identity they had."""
@@ -358,6 +360,13 @@ class Membership:
             return [Event("generation_complete", {"generation": g.generation})]
         return []
 
+    def arrive(self, identity: str, generation: int) -> list[Decision]:
+        """A member left its old generation's groups and is forming the pending one."""
+        pending = self.pending
+        if pending is not None and generation == pending.generation and identity in self.awaiting:
+            self.arrived.add(identity)
+        return []
+
     def tick(self, now: float) -> list[Decision]:
         """Check every deadline: heartbeats, acknowledgements, leavers, the policy's timers."""
         out: list[Decision] = self._check_join(now)
@@ -379,12 +388,22 @@ class Membership:
                 out += self._lose(identity, f"no heartbeat for {now - seen:.1f}s", now)
         if self.pending is not None and self.awaiting and now > self.ack_deadline:
             late = sorted(self.awaiting)
-            out.append(Event("stragglers", {"generation": self.pending.generation, "late": late}))
-            for identity in late:
+            missing = [identity for identity in late if identity not in self.arrived]
+            fields = {"generation": self.pending.generation, "late": late, "not_arrived": missing}
+            out.append(Event("stragglers", fields))
+            # The members that arrived could not form the generation without those that did
+            # not (a survivor held up leaving its old groups, a spare still starting): only
+            # those are replaced, and the rest wait for the generation that replaces them. When
+            # every member arrived and it still did not form, none is more to blame: all go.
+            culprits = missing or late
+            if missing:
+                self.awaiting.clear()  # no acknowledgement of this generation can come now
+            why = "did not arrive" if missing else "did not acknowledge"
+            for identity in culprits:
                 late_proc = self.procs.get(identity)
                 if late_proc is not None:
-                    out.append(Kill(late_proc.node, identity, late_proc.pid, "did not acknowledge"))
-                    out += self._lose(identity, "did not acknowledge in time", now)
+                    out.append(Kill(late_proc.node, identity, late_proc.pid, why))
+                    out += self._lose(identity, f"{why} in time", now)
         for identity, deadline in sorted(self.leaving.items()):
             leaver = self.procs.get(identity)
             if now > deadline and leaver is not None:
@@ -758,6 +777,7 @@ class Membership:
         superseded = self.pending
         self.pending = gen
         self.awaiting = set(gen.ranks.values())
+        self.arrived = set()
         self.ack_deadline = now + self.config.ack_timeout_s
         self.notified.clear()
         self.switching.clear()

@@ -105,6 +105,8 @@ HEARTBEAT = "heartbeat"
 REPLICATED = "replicated"  # rank: {"step", "generation"}
 ERROR = "error"  # rank: {"reason"} (a collective failed or timed out)
 ACK = "ack"  # rank/spare: {"generation"}
+ARRIVED = "arrived"  # rank/spare: {"generation"}: it left its old generation's groups and is
+# forming this one's (who has not arrived by the acknowledgement deadline is the straggler)
 DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now);
 # {"checkpoint_step"} when it leaves a stopping job after writing the stop checkpoint
 SCALE = "scale"  # operator (p2p-run scale): {"size"}: the world size the job should have
@@ -145,6 +147,7 @@ TYPES = frozenset(
         REPLICATED,
         ERROR,
         ACK,
+        ARRIVED,
         DONE,
         SCALE,
         EXITED,
@@ -184,6 +187,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     REPLICATED: {"step": (_INT, True), "generation": (_OPT_INT, False)},
     ERROR: {"reason": (_STR, False), "fatal": ((bool,), False)},
     ACK: {"generation": (_INT, True)},
+    ARRIVED: {"generation": (_INT, True)},
     DONE: {"checkpoint_step": (_OPT_INT, False)},
     SCALE: {"size": (_INT, True)},
     EXITED: {

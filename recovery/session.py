@@ -265,6 +265,10 @@ class Session:
             self.comms.destroy()
             self.comms = None
         assert self.client is not None, "a standalone session has no generations to join"
+        if not info.graceful:
+            # Should the generation not form in time, whoever has not arrived is replaced, not
+            # every member (one survivor held up leaving must not take the others down).
+            self.client.arrived(info.generation)
         host, port = self.client.store_address(self.timeout_s)
         spec = CommsSpec(
             generation=info.generation,

@@ -148,6 +148,47 @@ def test_stragglers_past_the_ack_deadline_are_faults_and_start_the_next_generati
     assert of(out, SendGeneration)[0].generation.generation == 2
 
 
+def test_only_members_that_never_arrived_are_replaced_at_the_ack_deadline():
+    """A survivor held up leaving its old groups keeps the generation from forming: it alone is
+    replaced, and the members that arrived wait for the next generation instead of dying too."""
+    m, _ = job(spares=2, ack_timeout_s=2.0, heartbeat_timeout_s=100.0, spare_wait_s=100.0)
+    ack_all(m)
+    (send,) = of(m.exited("rank/3", -9, 1.0), SendGeneration)
+    g = send.generation
+    assert g.generation == 2 and g.ranks[3] == "spare/0"
+    for identity in ("rank/0", "rank/1", "spare/0"):
+        assert m.arrive(identity, 2) == []
+    m.arrive("rank/2", 1)  # an arrival at an older generation counts for nothing
+    assert m.tick(2.9) == []  # before the deadline
+    out = m.tick(3.1)
+    (stragglers,) = [a for a in out if isinstance(a, Event) and a.name == "stragglers"]
+    assert stragglers.fields["late"] == ["rank/0", "rank/1", "rank/2", "spare/0"]
+    assert stragglers.fields["not_arrived"] == ["rank/2"]
+    assert [(k.identity, k.reason) for k in of(out, Kill)] == [("rank/2", "did not arrive")]
+    (nxt,) = of(out, SendGeneration)
+    assert nxt.generation.generation == 3 and nxt.generation.ranks == {
+        0: "rank/0",
+        1: "rank/1",
+        2: "spare/1",
+        3: "spare/0",
+    }
+    # The members that arrived are awaited again, at the new generation's own deadline.
+    assert of(m.tick(4.0), Kill) == []
+    assert m.awaiting == set(nxt.generation.ranks.values()) and m.arrived == set()
+
+
+def test_when_every_member_arrived_and_none_acknowledged_all_are_replaced():
+    m, _ = job(spares=1, ack_timeout_s=2.0, heartbeat_timeout_s=100.0, spare_wait_s=100.0)
+    for identity in ("rank/0", "rank/1", "rank/2", "rank/3"):
+        m.arrive(identity, 1)
+    m.ack("rank/0", 1, 0.5)
+    out = m.tick(3.0)
+    (stragglers,) = [a for a in out if isinstance(a, Event) and a.name == "stragglers"]
+    assert stragglers.fields["not_arrived"] == []
+    kills = [(k.identity, k.reason) for k in of(out, Kill)]
+    assert kills == [(f"rank/{r}", "did not acknowledge") for r in (1, 2, 3)]
+
+
 def test_a_fault_during_a_generation_change_supersedes_it():
     m, _ = job(spares=2)
     ack_all(m)

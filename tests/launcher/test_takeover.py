@@ -57,6 +57,9 @@ def test_a_takeover_between_faults_sends_nothing_and_one_during_a_recovery_resta
     assert g.generation == 3 and g.store_prefix == "gen3/", "a fresh rendezvous"
     assert g.replaced == {1: ["rank/1", "spare/0"]} and g.lost == [1]
     assert standby.pending is g and standby.awaiting == set(g.ranks.values())
+    # Who arrived at a pending generation is mirrored too: a straggler is still the one blamed.
+    m.arrive("rank/0", m.pending.generation)
+    assert _copy(m).arrived == {"rank/0"}
 
 
 def test_a_corrupt_mirror_is_refused_and_changes_nothing():

@@ -7,6 +7,8 @@ final state, and the batch and loss of every step, with the same job run without
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +18,13 @@ from launcher.testing import alive
 from recovery.checkpoint import complete_steps
 from recovery.phases import PEER_RECOVERY_PHASES
 from tests.recovery.conftest import NUM_STEPS, assert_bitwise, run
+from tests.recovery.slow_leave import ENV_SLOW_LEAVE
 
 pytestmark = pytest.mark.slow
 
 PHASES = set(PEER_RECOVERY_PHASES)
+#: The checkout, for hooks of the tests' own (``tests.recovery.slow_leave``) in the ranks.
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def test_the_comparison_catches_a_single_differing_bit(reference):
@@ -66,6 +71,32 @@ def test_sigkill_mid_step_is_replaced_by_a_spare_bitwise(tmp_path, data_cache, r
     assert all(e["given_bytes"] > 0 and e["reused_bytes"] > 0 for e in recycled), released
     # The pool was refilled.
     assert len(outcome.events("process_started", role="spare")) == 2
+
+
+def test_a_survivor_held_up_leaving_is_replaced_alone_and_the_rest_restore_from_peers(
+    tmp_path, data_cache, reference
+):
+    """Rank 3 dies; rank 2 then stays in destroying the broken generation's groups past the
+    acknowledgement deadline (10 s). Rank 2 alone is replaced, as the one that never arrived;
+    ranks 0 and 1 arrived, wait for the generation after, and every state comes from peers (rank
+    3's copy is on rank 0, rank 2's on rank 1)."""
+    hold = {ENV_JOB_HOOKS: "tests.recovery.slow_leave:attach", ENV_SLOW_LEAVE: "2:30"}
+    hold["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    outcome = run(tmp_path, data_cache, faults=("kill:rank=3@step=3",), spares=(1, 1), env=hold)
+    assert_bitwise(outcome, reference)
+    (stragglers,) = outcome.events("stragglers")
+    assert len(stragglers["not_arrived"]) == 1 and len(stragglers["late"]) == 4
+    (held,) = stragglers["not_arrived"]
+    faults = {e["identity"]: e["reason"] for e in outcome.events("fault")}
+    assert faults[held] == "did not arrive in time" and len(faults) == 2
+    final = max(e["generation"] for e in outcome.events("recovery_done"))
+    done = outcome.events("recovery_done", generation=final)
+    assert sorted(e["rank"] for e in done) == [0, 1, 2, 3]
+    assert {e["restored_from"] for e in done} == {"peers"}
+    started = outcome.events("process_started", role="rank")
+    first = {e["identity"] for e in started}
+    kept = {e["source"] for e in done if e["rank"] in (0, 1)}
+    assert kept <= first and held not in kept  # ranks 0 and 1 are the processes they were
 
 
 def test_sigkill_during_the_optimizer_step_and_during_replication(tmp_path, data_cache, reference):
