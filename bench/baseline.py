@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.faults import COORDINATOR_KINDS, Fault
-from bench.runner import example_args
+from bench.runner import CPU_ONLY, SHARED_GPU, example_args
 from launcher.events import read_json_lines
 from launcher.protocol import ENV_INJECT, ENV_TIMELINE
 
@@ -72,8 +72,10 @@ def run_baseline(
     max_restarts: int | None = None,
     timeout_s: float = 1800.0,
     on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
+    device: str | None = None,
 ) -> BaselineRun:
     """Run the plain job under torchrun with ``faults``; every process is gone on return.
+    ``device`` as :func:`bench.runner.run_script` takes it.
 
     Raises:
         TimeoutError: the run outlived ``timeout_s`` (it is killed first).
@@ -100,6 +102,7 @@ def run_baseline(
         str(len(usable) if max_restarts is None else max_restarts),
         "--monitor-interval",
         "0.1",
+        *([SHARED_GPU] if device == "cuda" else []),
         PLAIN,
         *example_args(model, steps, cache_dir or str(run_dir / "cache"), out),
         "--checkpoint-dir",
@@ -112,6 +115,7 @@ def run_baseline(
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         ENV_TIMELINE: str(timeline_path),
         "OMP_NUM_THREADS": "1",
+        **(CPU_ONLY if device == "cpu" else {}),
     }
     env.pop(ENV_INJECT, None)
     log_path = run_dir / "torchrun.log"

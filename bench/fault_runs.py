@@ -63,6 +63,14 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
     p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the ranks train: cuda on this machine's GPUs over NCCL, every process a host "
+        "of its own to NCCL (bench/shared_gpu.py) so emulated nodes can share them; cpu over "
+        "gloo with the GPUs hidden; auto (default): cuda where there is a GPU",
+    )
+    p.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -101,6 +109,22 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
     p.add_argument("--quiet", action="store_true", help="no live progress display")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def job_device(args: argparse.Namespace) -> str:
+    """``cpu`` or ``cuda``, from ``--device``.
+
+    Raises:
+        UsageError: ``--device cuda`` on a machine without CUDA.
+    """
+    import torch
+
+    device = getattr(args, "device", "auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device on this machine (use --device cpu)")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
 
 
 def resolve_faults(args: argparse.Namespace) -> list[Fault]:
@@ -199,6 +223,7 @@ def run_checkpointless(
         "timeout_s": args.timeout,
         "heartbeat_interval_s": args.heartbeat_interval,
         "heartbeat_timeout_s": args.heartbeat_timeout,
+        "device": job_device(args),
     }
     if getattr(args, "script", None):
         # A user's protected script: the probe injects the faults and records the results.
@@ -300,6 +325,7 @@ def _job_key(args: argparse.Namespace) -> str:
         "steps": args.steps,
         "shape": [args.nnodes, args.nproc_per_node],
         "torch": torch.__version__,
+        "device": job_device(args),
     }
     return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -322,6 +348,7 @@ def run_restart(
         cache_dir=str(work / "cache"),
         timeout_s=args.timeout,
         on_poll=lambda marks: _progress_from(progress, marks),
+        device=job_device(args),
     )
     progress.run_finished(f"checkpoint-restart run: exit code {run.code}")
     section = RestartRun(
@@ -407,6 +434,7 @@ def job_info(args: argparse.Namespace) -> JobInfo:
         steps=args.steps,
         checkpoint_every=args.checkpoint_every,
         replicas=getattr(args, "replicas", 1),
+        device=job_device(args),
     )
     if getattr(args, "script", None):
         script = shlex.join([args.script, *args.script_args])
@@ -450,14 +478,17 @@ def progress(args: argparse.Namespace, runs: int) -> Iterator[LiveProgress]:
 
 def notes(report: FaultRunReport) -> list[str]:
     """What a reader must know to trust the figures."""
-    gpu = report.machine.gpu
+    gpu = report.machine.gpu if report.job.device == "cuda" else None
+    where = (
+        f"{report.machine.cpus} CPU cores and {gpu}: NCCL between processes that share the "
+        "GPUs, each a host of its own to NCCL (its socket transport), beside gloo over loopback"
+        if gpu
+        else f"{report.machine.cpus} CPU cores, no GPU (gloo over loopback)"
+    )
     out = [
         "Phases are cut on one monotonic clock and add up to each fault's downtime: from the "
         "fault until training is back at the step it had reached.",
-        f"Measured on {report.machine.cpus} CPU cores"
-        + (f" and {gpu}" if gpu else ", no GPU")
-        + (" (NCCL beside gloo" if gpu else " (gloo")
-        + " over loopback); ranks of emulated nodes share the cores.",
+        f"Measured on {where}; ranks of emulated nodes share the cores.",
     ]
     if report.restart is not None:
         every = report.job.checkpoint_every

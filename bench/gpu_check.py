@@ -172,12 +172,11 @@ def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, A
     number of GPUs; with fewer GPUs than ranks NCCL moves the bytes over its socket transport.
     """
     out = folder / "kill-and-recover"
-    script = [str(ROOT / "examples" / "train.py"), "--steps", str(steps), "--model", preset]
     with tempfile.TemporaryDirectory(prefix="p2p-gpu-check-") as work:
         inject = ["inject", "--json", "--quiet", "--steps", str(steps), "--fault", KILL]
+        inject += ["--model", preset, "--device", "cuda"]
         inject += ["--checkpoint-every", "4", "--out-dir", str(out), "--work-dir", work]
         inject += ["--timeout", str(RUN_TIMEOUT_S)]
-        inject += ["--script", str(ROOT / "bench" / "shared_gpu.py"), "--", *script]
         try:  # two runs (fault-free and faulty) and the report: within three run deadlines
             lines = _bench(inject, folder / "kill-and-recover.log", 3 * RUN_TIMEOUT_S, ok=(0, 1))
         finally:  # the processes' own logs, what a failed recovery is read from

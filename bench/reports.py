@@ -54,6 +54,9 @@ class JobInfo:
     """The example job's parameters (``None`` for a script)."""
     state_mib_per_rank: float | None = None
     """Parameters and AdamW's two moments, fp32, split over the ranks (the example job's)."""
+    device: str = "cpu"
+    """Where the ranks trained: ``cpu`` (gloo) or ``cuda`` (NCCL, emulated nodes sharing the
+    machine's GPUs)."""
 
     def to_json(self, spares: list[int] | None = None) -> Json:
         """The ``job`` object; ``spares`` (the checkpointless run's) last, when given."""
@@ -70,6 +73,8 @@ class JobInfo:
             checkpoint_every=self.checkpoint_every,
             replicas=self.replicas,
         )
+        if self.device != "cpu":
+            out["device"] = self.device
         if spares is not None:
             out["spares"] = spares
         return out

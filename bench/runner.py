@@ -22,6 +22,11 @@ from launcher.testing import LocalJob
 
 #: The example training job (a checkout's ``examples/``; see README).
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
+#: Runs a script as a host of its own to NCCL, so emulated nodes can share GPUs.
+SHARED_GPU = str(Path(__file__).resolve().parent / "shared_gpu.py")
+#: The environment of a run kept off the GPUs (on a GPU machine, emulated nodes would put two
+#: ranks of one communicator on one GPU, which NCCL refuses).
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 @dataclass
@@ -79,6 +84,7 @@ def run_script(
     timeout_s: float = 600.0,
     on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
     env: Mapping[str, str] | None = None,
+    device: str | None = None,
     **job_kwargs: Any,
 ) -> JobOutcome:
     """Run a protected training script under p2p-run to its end with ``faults`` injected.
@@ -88,9 +94,16 @@ def run_script(
     (``rank<r>.json``) are read from ``results_dir`` when the script writes them itself, or
     else recorded by the probe: every step's batch and the final state's digest. ``env`` is
     more environment for every process; hooks in its ``P2P_JOB_HOOKS`` follow the probe.
+    ``device``: ``cpu`` hides the GPUs; ``cuda`` runs every process as a host of its own to
+    NCCL (:mod:`bench.shared_gpu`) so the emulated nodes share this machine's GPUs; ``None``
+    leaves the environment as it is.
     """
     run_dir = Path(run_dir)
+    if device == "cuda":
+        script, script_args = SHARED_GPU, [script, *script_args]
     extra, env = dict(env or {}), {ENV_JOB_HOOKS: probe.HOOK}
+    if device == "cpu":
+        env.update(CPU_ONLY)
     if extra.get(ENV_JOB_HOOKS):
         env[ENV_JOB_HOOKS] += f",{extra.pop(ENV_JOB_HOOKS)}"
     env.update(extra)
