@@ -174,7 +174,7 @@ def _kill_and_recover(folder: Path, preset: str, steps: int = 12) -> dict[str, A
     out = folder / "kill-and-recover"
     with tempfile.TemporaryDirectory(prefix="p2p-gpu-check-") as work:
         inject = ["inject", "--json", "--quiet", "--steps", str(steps), "--fault", KILL]
-        inject += ["--model", preset, "--device", "cuda"]
+        inject += ["--model", preset, "--device", "auto"]  # cuda here; gloo where tested
         inject += ["--checkpoint-every", "4", "--out-dir", str(out), "--work-dir", work]
         inject += ["--timeout", str(RUN_TIMEOUT_S)]
         try:  # two runs (fault-free and faulty) and the report: within three run deadlines

@@ -61,6 +61,8 @@ def test_gpu_check_s_kill_and_recover_is_a_real_fault_run_and_bitwise(tmp_path):
     assert result["restored_from"] == "peers" and result["steps_lost"] >= 0
     assert set(result["phases_ms"]) >= {"detect", "interrupt", "communicators", "transfer"}
     assert Path(result["report"]).is_file() and (tmp_path / "kill-and-recover.log").is_file()
+    logs = {p.name for p in (tmp_path / "kill-and-recover" / "logs").iterdir()}
+    assert {"checkpointless-p2p-run-0.log", "checkpointless-p2p-run-1.log"} <= logs, logs
     (line,) = gpu_check._kill_lines(result)
     assert line.startswith(f"  kill + recover   {gpu_check.KILL}: bitwise; downtime ")
 
