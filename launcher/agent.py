@@ -483,10 +483,11 @@ class Agent:
             elif msg.type == protocol.SPAWN_SPARE:
                 self._spawn_spare()
             elif msg.type == protocol.STANDBYS:
-                for address in msg.body["addresses"][:8]:
-                    if isinstance(address, str):
-                        links.add(address)
+                addresses = [a for a in msg.body["addresses"][:8] if isinstance(a, str)]
+                for address in addresses:
+                    links.add(address)
                 self._tell_coordinators(links)
+                self.events.write("standbys_known", node=self.config.node_rank, addresses=addresses)
             elif msg.type == protocol.SHUTDOWN:
                 self.events.write("agent_shutdown", **msg.body)
                 self.end_reason = str(msg.body.get("reason", ""))

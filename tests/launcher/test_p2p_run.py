@@ -82,8 +82,21 @@ def test_losing_both_coordinators_stops_every_node(start_job):
     job = start_job(launcher_args=["--coordinator-timeout", "3"])
     job.wait_event("generation_complete", generation=1)
     job.wait_event("standby_joined", identity="coordinator/1")
-    pids = [e["pid"] for e in job.events("process_started")]
     standby = json.loads((job.run_dir / "coordinator-1.json").read_text())
+    # Both nodes know the standby (it was announced after it joined) before both go.
+    wait_for(
+        lambda: (
+            {
+                e["node"]
+                for e in job.events("standbys_known")
+                if standby["address"] in e["addresses"]
+            }
+            == {0, 1}
+        ),
+        "both nodes to know the standby",
+        15,
+    )
+    pids = [e["pid"] for e in job.events("process_started")]
     os.kill(job.coordinator_info()["pid"], signal.SIGKILL)
     os.kill(standby["pid"], signal.SIGKILL)
     codes = [n.wait(timeout=30) for n in job.nodes]
