@@ -257,10 +257,9 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                     continue
                 m["heard"] = time.monotonic()
                 if msg.type == protocol.GENERATION:
-                    gen = {"generation": msg.body["generation"]}
-                    if not msg.body.get("graceful"):  # as a rank: it left its old groups
-                        links.send(protocol.ARRIVED, gen, msg.generation)
-                    links.send(protocol.ACK, gen, msg.generation)
+                    # A rank that forms the generation at once acknowledges it and says nothing
+                    # else (``arrived`` goes only where forming takes a while).
+                    links.send(protocol.ACK, {"generation": msg.body["generation"]}, msg.generation)
                 elif msg.type == protocol.SPAWN_SPARE:
                     spares_made += 1
                     add(f"spare/{m['node']}/x{spares_made}", "spare", m["node"], None, 0)

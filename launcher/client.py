@@ -28,6 +28,7 @@ This module imports nothing from ``launcher`` but :mod:`launcher.protocol` and t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import stat
@@ -130,6 +131,36 @@ def _agent_fd(value: str) -> int | None:
         return None
 
 
+class PendingArrival:
+    """An ``arrived`` to send at a time unless the generation is acknowledged first (thread-safe:
+    scheduled and cancelled by the training thread, sent by the client's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation: int | None = None
+        self.due_t = math.inf
+        """When the pending one is due (``inf``: none)."""
+
+    def schedule(self, generation: int, due_t: float) -> None:
+        with self._lock:
+            self._generation, self.due_t = generation, due_t
+
+    def acknowledged(self, generation: int) -> None:
+        """``generation`` is acknowledged: an arrival at it or an older one goes unsaid."""
+        with self._lock:
+            if self._generation is not None and self._generation <= generation:
+                self._generation, self.due_t = None, math.inf
+
+    def take_due(self, now: float) -> int | None:
+        """The generation to say ``arrived`` at now, if one is due (it is then no longer
+        pending)."""
+        with self._lock:
+            if self._generation is None or now < self.due_t:
+                return None
+            generation, self._generation, self.due_t = self._generation, None, math.inf
+            return generation
+
+
 class ControlClient:
     """Connects, heartbeats, reports and receives generations in a background thread.
 
@@ -176,6 +207,7 @@ class ControlClient:
         self.store_host = config.coordinators[0].rsplit(":", 1)[0]
         self._last_ack: tuple[dict[str, Any], int] | None = None
         self._last_arrived: tuple[dict[str, Any], int] | None = None
+        self._arrival = PendingArrival()
         self._last_replicated: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -242,13 +274,17 @@ class ControlClient:
 
     def ack(self, generation: int) -> None:
         """Acknowledge a generation (after this rank has joined it)."""
+        self._arrival.acknowledged(int(generation))
         self._post(protocol.ACK, {"generation": int(generation)}, generation)
 
-    def arrived(self, generation: int) -> None:
+    def arrived(self, generation: int, after_s: float = 0.0) -> None:
         """Say this process has left its old generation's groups and is forming ``generation``'s:
         if the generation does not form in time, the coordinator replaces only those that never
-        arrived."""
-        self._post(protocol.ARRIVED, {"generation": int(generation)}, generation)
+        arrived. Said after ``after_s``, and not at all if this process acknowledges the
+        generation first: a generation that forms at once costs the coordinator its
+        acknowledgements alone."""
+        self._arrival.schedule(int(generation), time.monotonic() + after_s)
+        os.write(self._wake_w, b"x")
 
     def store_address(self, timeout_s: float = 30.0) -> tuple[str, int]:
         """``(host, port)`` of the rendezvous store, once the coordinator has welcomed us."""
@@ -371,6 +407,7 @@ class ControlClient:
                     links.send(protocol.HELLO, hello)
                     next_hello = time.monotonic() + HELLO_RETRY_S
                 wait_s = next_beat if self._welcome.is_set() else min(next_beat, next_hello)
+                wait_s = min(wait_s, self._arrival.due_t)
                 timeout_ms = max(0.0, wait_s - time.monotonic()) * 1000
                 for item, _ in poller.poll(int(timeout_ms)):
                     if item == self._wake_r:
@@ -380,6 +417,11 @@ class ControlClient:
                     else:
                         self._receive(links, item, poller)
                 self._flush(links)
+                arrived = self._arrival.take_due(time.monotonic())
+                if arrived is not None:
+                    body = {"generation": arrived}
+                    self._last_arrived = (body, arrived)
+                    links.send(protocol.ARRIVED, body, arrived)
                 if time.monotonic() >= next_beat:
                     links.send(protocol.HEARTBEAT)
                     next_beat = time.monotonic() + self.config.heartbeat_interval_s
@@ -438,8 +480,6 @@ class ControlClient:
                 return
             if type_ == protocol.ACK:
                 self._last_ack = (body, gen)
-            elif type_ == protocol.ARRIVED:
-                self._last_arrived = (body, gen)
             elif type_ == protocol.REPLICATED:
                 self._last_replicated = body
             links.send(type_, body, gen)

@@ -267,8 +267,10 @@ class Session:
         assert self.client is not None, "a standalone session has no generations to join"
         if not info.graceful:
             # Should the generation not form in time, whoever has not arrived is replaced, not
-            # every member (one survivor held up leaving must not take the others down).
-            self.client.arrived(info.generation)
+            # every member (one survivor held up leaving must not take the others down). Said
+            # only if forming takes a while: a quarter of the deadline, before the group's own
+            # join deadline (half of it) gives up.
+            self.client.arrived(info.generation, after_s=info.ack_timeout_s / 4)
         host, port = self.client.store_address(self.timeout_s)
         spec = CommsSpec(
             generation=info.generation,
