@@ -106,7 +106,8 @@ REPLICATED = "replicated"  # rank: {"step", "generation"}
 ERROR = "error"  # rank: {"reason"} (a collective failed or timed out)
 ACK = "ack"  # rank/spare: {"generation"}
 ARRIVED = "arrived"  # rank/spare: {"generation"}: it left its old generation's groups and is
-# forming this one's (who has not arrived by the acknowledgement deadline is the straggler)
+# still forming this one's a while later (at the acknowledgement deadline, the members that
+# neither arrived nor acknowledged are the stragglers)
 DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now);
 # {"checkpoint_step"} when it leaves a stopping job after writing the stop checkpoint
 SCALE = "scale"  # operator (p2p-run scale): {"size"}: the world size the job should have
