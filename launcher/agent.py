@@ -334,9 +334,11 @@ class Agent:
                 reason = first.body.get("reason", "")
                 raise AgentError(f"the coordinator refused this node: {reason}")
             self.env_store_port = int(first.body.get("env_store_port", 0))
-            for address in first.body.get("standbys", [])[:8]:
-                if isinstance(address, str):
-                    links.add(address)
+            standbys = [a for a in first.body.get("standbys", [])[:8] if isinstance(a, str)]
+            for address in standbys:
+                links.add(address)
+            if standbys:
+                self.events.write("standbys_known", node=cfg.node_rank, addresses=standbys)
             if cfg.node_rank < cfg.nnodes:
                 for local in range(cfg.nproc_per_node):
                     self._spawn("rank", cfg.node_rank * cfg.nproc_per_node + local, local)
