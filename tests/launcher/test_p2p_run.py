@@ -83,19 +83,8 @@ def test_losing_both_coordinators_stops_every_node(start_job):
     job.wait_event("generation_complete", generation=1)
     job.wait_event("standby_joined", identity="coordinator/1")
     standby = json.loads((job.run_dir / "coordinator-1.json").read_text())
-    # Both nodes know the standby (it was announced after it joined) before both go.
-    wait_for(
-        lambda: (
-            {
-                e["node"]
-                for e in job.events("standbys_known")
-                if standby["address"] in e["addresses"]
-            }
-            == {0, 1}
-        ),
-        "both nodes to know the standby",
-        15,
-    )
+    # Both nodes know the standby (it is announced after it joins) before both go.
+    _wait_until_known(job, [standby["address"]], nodes=(0, 1))
     pids = [e["pid"] for e in job.events("process_started")]
     os.kill(job.coordinator_info()["pid"], signal.SIGKILL)
     os.kill(standby["pid"], signal.SIGKILL)
@@ -119,8 +108,12 @@ def test_two_standbys_take_over_one_after_the_other(start_job):
         nnodes=3, nproc=1, spares=(0, 0, 0), launcher_args=["--standby-coordinators", "1,2"]
     )
     job.wait_event("generation_complete", generation=1)
-    for node in (1, 2):
-        job.wait_event("standby_joined", identity=f"coordinator/{node}")
+    addresses = [
+        job.wait_event("standby_joined", identity=f"coordinator/{node}")[0]["address"]
+        for node in (1, 2)
+    ]
+    # Every node can vote for either standby before the active coordinator goes.
+    _wait_until_known(job, addresses, nodes=(0, 1, 2))
     os.kill(job.coordinator_info()["pid"], signal.SIGKILL)
     (first,) = wait_for(lambda: [e for e in job.events("takeover") if "term" in e], "a takeover")
     winner = first["source"]
@@ -135,6 +128,18 @@ def test_two_standbys_take_over_one_after_the_other(start_job):
     )
     assert second[0]["term"] > first["term"]
     assert job.stop() == [0, 0, 0]
+
+
+def _wait_until_known(job, addresses: list[str], nodes: tuple[int, ...]) -> None:
+    """Wait until every node in ``nodes`` has said it knows every standby in ``addresses``."""
+
+    def knowing() -> set[int]:
+        known: dict[int, set[str]] = {}
+        for e in job.events("standbys_known"):
+            known.setdefault(e["node"], set()).update(e["addresses"])
+        return {node for node, seen in known.items() if seen >= set(addresses)}
+
+    wait_for(lambda: knowing() >= set(nodes), f"nodes {nodes} to know standbys {addresses}", 15)
 
 
 def test_a_head_node_runs_the_coordinator_and_every_node_points_at_it(tmp_path):
