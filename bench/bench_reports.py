@@ -24,6 +24,8 @@ class RoundTimes:
     checksum: float
     transfer: float
     headers_and_commit: float
+    post: float = 0.0
+    """Posting the transfers, on the training thread like the copy."""
 
 
 @dataclass(slots=True)

@@ -173,7 +173,8 @@ def _bench_rank(params: dict[str, Any]) -> dict[str, Any]:
         "times_off": times["off"],
         "times_on": times["on"],
         "rounds": [
-            [s.copy_s, s.checksum_s, s.transfer_s, s.header_s + s.commit_s] for s in in_training
+            [s.copy_s, s.checksum_s, s.transfer_s, s.header_s + s.commit_s, s.post_s]
+            for s in in_training
         ],
         "replication_gbps": repl_gbps,
         "raw_sendrecv_gbps": raw_gbps,
@@ -240,6 +241,7 @@ def measure(args: argparse.Namespace) -> ReplicateReport:
             checksum=_median([r[1] for r in rounds]) * 1e3,
             transfer=_median([r[2] for r in rounds]) * 1e3,
             headers_and_commit=_median([r[3] for r in rounds]) * 1e3,
+            post=_median([r[4] for r in rounds]) * 1e3,
         ),
         measured_steps_per_mode=len(off),
         machine=HostInfo(os.cpu_count(), platform.python_version(), torch.__version__),
@@ -270,7 +272,7 @@ def _table(r: ReplicateReport) -> str:
     rows.append(
         (
             "round while training",
-            f"copy {t.copy:.0f} ms, checksum {t.checksum:.0f} ms, "
+            f"copy {t.copy:.0f} ms, post {t.post:.1f} ms, checksum {t.checksum:.0f} ms, "
             f"transfer {t.transfer:.0f} ms, headers+commit {t.headers_and_commit:.0f} ms",
         )
     )

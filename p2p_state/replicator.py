@@ -1,12 +1,24 @@
 """Replication of every rank's snapshot to its buddies, off the training thread.
 
 After the optimizer step of step ``s`` the training loop calls :meth:`Replicator.replicate`. That
-copies the live state into the free snapshot slot (a few large copies; on a GPU on a side stream)
-and hands the step to a worker thread, which checksums the snapshot, sends it to the ranks that
-hold this rank's replica and receives the replicas this rank holds, in chunks, with batched
-``isend``/``irecv`` on a process group of its own. The next forward and backward run meanwhile.
+copies the live state into the free snapshot slot (a few large copies; on a GPU on a side stream),
+posts the transfers of the round (the snapshot to the ranks that hold this rank's replica, the
+replicas this rank holds from their owners, in chunks, with batched ``isend``/``irecv`` on a
+process group of its own) and hands the step to a worker thread. The worker waits for the
+transfers, checksums the snapshot and exchanges the headers that carry the checksum. The next
+forward and backward run meanwhile.
 
-A round ends with a commit barrier (an all-reduce on the replication group): when it returns,
+Where the round's transfers are posted matters on a GPU. NCCL requires operations on two
+communicators (FSDP's and replication's) to be launched in the same order on every rank, or
+kernels that cannot run side by side (one hardware queue with ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+CUDA graphs, SMs taken by compute) wait on each other across ranks for ever. Posted by the
+training thread inside ``replicate()``, the round's NCCL operations sit between the same two of
+FSDP's collectives on every rank; the worker thread launches no NCCL operation at all: the
+headers and the commit go over a gloo group (host tensors, no kernel). Gloo transfers of pinned
+snapshots are posted by the worker once the copy landed (gloo reads host memory, unordered
+with CUDA streams, and launches no kernel to order).
+
+A round ends with a commit barrier (an all-reduce on the headers' gloo group): when it returns,
 every rank has its snapshot of ``s`` and every replica of ``s`` is complete, so ``s`` is the
 *committed step*, the state recovery rolls back to.
 
@@ -57,7 +69,7 @@ from p2p_state.snapshot import (
     SnapshotHeader,
 )
 from p2p_state.state import TrainingState
-from p2p_state.transfer import RecvBuffer, SendBuffer, exchange, gather_bytes
+from p2p_state.transfer import RecvBuffer, SendBuffer, Transfer, exchange, gather_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -98,33 +110,20 @@ class RoundStats:
     """The commit barrier: waiting for every other rank to finish the round."""
     bytes_sent: int
     bytes_received: int
+    post_s: float = 0.0
+    """Posting the round's transfers on the training thread (0 where the worker posts them)."""
 
 
 @dataclass(slots=True)
 class _Round:
     step: int
     slot: Slot
+    replicas: dict[int, Slot]  # the slot each owner's replica of this step is received into
     copied: Any  # torch.cuda.Event on a GPU, None on the host
     copy_s: float
-
-
-def serialized_launch_warning(backend: str, env: Mapping[str, str]) -> str | None:
-    """Why NCCL replication beside FSDP is unsafe under ``env``, or ``None``.
-
-    Replication's NCCL operations are posted by the worker thread, in an order relative to
-    FSDP's collectives that differs between ranks. With one hardware queue per device
-    (``CUDA_DEVICE_MAX_CONNECTIONS=1``) a rank's kernels run in launch order, so two ranks
-    that launched the two communicators' kernels in different orders can wait on each other
-    for ever.
-    """
-    if backend != "nccl" or env.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
-        return None
-    return (
-        "CUDA_DEVICE_MAX_CONNECTIONS=1 serialises every stream of a GPU, and replication over "
-        "NCCL posts its transfers beside FSDP's collectives in an order that differs between "
-        "ranks: the two can deadlock; use ReplicationConfig.memory='pinned' (replication over "
-        "gloo, no second NCCL communicator) or unset CUDA_DEVICE_MAX_CONNECTIONS"
-    )
+    transfer: Transfer | None  # posted by replicate(); None: the worker posts it
+    posted_at: float
+    post_s: float
 
 
 class CudaStreams:
@@ -197,6 +196,9 @@ class Replicator:
         group: The replication process group (every rank of the default group, backend
             :meth:`backend_for`); by default one is created, and destroyed by :meth:`close`.
             A group passed in belongs to the caller.
+        control_group: The gloo group the headers and commits go over (host tensors): by
+            default ``group`` when that is gloo; beside an NCCL ``group`` one is created, and
+            destroyed by :meth:`close`. A group passed in belongs to the caller.
         placement: Who holds whose replica; by default :func:`place` over the default group's
             world with ``ranks_per_node``.
         prefault: Zero the snapshot and replica buffers now, so the first rounds do not pay
@@ -217,6 +219,7 @@ class Replicator:
         on_replicated: Callable[[int], None] | None = None,
         progress_hook: Callable[[int, int, int], None] | None = None,
         group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
         placement: Placement | None = None,
         prefault: bool = True,
         recycle: BufferPool | None = None,
@@ -242,13 +245,20 @@ class Replicator:
         for warning in self.placement.warnings():
             logger.warning("replica placement: %s", warning)
 
-        launch_warning = serialized_launch_warning(self.backend, os.environ)
-        if launch_warning is not None:
-            logger.warning("rank %d: %s", dist.get_rank(), launch_warning)
+        timeout = timedelta(seconds=self.config.timeout_s)
         self._owns_group = group is None
-        self.group = group or dist.new_group(
-            backend=self.backend, timeout=timedelta(seconds=self.config.timeout_s)
-        )
+        self.group = group or dist.new_group(backend=self.backend, timeout=timeout)
+        self._owns_control = control_group is None and self.backend != "gloo"
+        if control_group is None:
+            control_group = (
+                self.group
+                if self.backend == "gloo"
+                else dist.new_group(backend="gloo", timeout=timeout)
+            )
+        self.control_group = control_group
+        # NCCL transfers and host snapshots are posted by replicate() on the training thread;
+        # gloo transfers of a snapshot copied on a side stream wait for the copy, in the worker.
+        self._post_in_step = self.backend == "nccl" or self.device.type != "cuda"
         self._wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
         raw = gather_bytes(
             state.layout.to_bytes(), self.group, self._wire_device, self.config.timeout_s
@@ -374,7 +384,10 @@ class Replicator:
             return False
         self._wait_idle()
         slot = self.own.writable()
+        with self._lock:
+            replicas = {o: self.replicas[o].writable() for o in self.owners}
         t0 = time.perf_counter()
+        transfer = None
         if self._cuda is not None:
             # Enqueued only: the side stream starts once the optimizer step is done, and no
             # copy here waits for it (the host-resident pieces go through the pinned staging).
@@ -384,17 +397,43 @@ class Replicator:
                 self.state.capture(_buffer_of(slot), step, extras, self._staging)
                 copied = self._cuda.new_event()
                 copied.record(self._stream)
+                t1 = time.perf_counter()
+                if self._post_in_step:  # NCCL's stream waits for the side stream: the copy
+                    transfer = self._post(slot, replicas)
             self._last_copy = copied
         else:
             self.state.capture(_buffer_of(slot), step, extras)
             copied = None
+            t1 = time.perf_counter()
+            transfer = self._post(slot, replicas)
+        t2 = time.perf_counter()
         with self._lock:
             self._in_flight += 1
-        self._queue.put(_Round(step, slot, copied, time.perf_counter() - t0))
+        self._queue.put(_Round(step, slot, replicas, copied, t1 - t0, transfer, t1, t2 - t1))
         self._snapshots += 1
         if self._snapshots == 2 and self.kind is MemoryKind.GPU:
             self._recheck_memory()
         return True
+
+    def _post(self, slot: Slot, replicas: dict[int, Slot]) -> Transfer:
+        """Post every chunk of a round's transfers: this rank's snapshot in ``slot`` to its
+        holders, each owner's replica into its slot in ``replicas``."""
+        transfer = Transfer(
+            [SendBuffer(h, _buffer_of(slot)[: self.layout.total_bytes]) for h in self.holders],
+            [
+                RecvBuffer(o, _buffer_of(replicas[o])[: self.layouts[o].total_bytes])
+                for o in self.owners
+            ],
+            self.group,
+            chunk_bytes=self.config.chunk_bytes,
+        )
+        try:
+            transfer.post_all()
+        except Exception as e:
+            with self._lock:
+                self._failure = e
+            raise ReplicationError(f"replication failed: {e}") from e
+        return transfer
 
     def _recheck_memory(self) -> None:
         """After the first training step the allocator knows its peak: check the GPU budget
@@ -474,39 +513,25 @@ class Replicator:
     def _run_round(self, job: _Round) -> None:
         ctx = self._cuda.use(self._stream) if self._cuda is not None else contextlib.nullcontext()
         with ctx:
-            if job.copied is not None:
-                job.copied.synchronize()
             layout = self.layout
             own = _buffer_of(job.slot)[: layout.total_bytes]
-            chunk = self.config.chunk_bytes
-            with self._lock:
-                slots = {o: self.replicas[o].writable() for o in self.owners}
-
-            def progress(i: int, n: int) -> None:
-                if self._progress_hook is not None:
-                    self._progress_hook(job.step, i, n)
-
+            transfer = job.transfer
+            if transfer is None:  # gloo from host memory a side stream copies into
+                if job.copied is not None:
+                    job.copied.synchronize()
+                transfer = self._post(job.slot, job.replicas)
             # Data first, so every rank starts sending as soon as its copy is done; then the
             # checksum, then the headers that carry it. (Checksumming while the chunks are in
             # flight was measured slower on loopback, where both compete for the same cores.)
-            t0 = time.perf_counter()
-            exchange(
-                [SendBuffer(h, own) for h in self.holders],
-                [
-                    RecvBuffer(o, _buffer_of(slots[o])[: self.layouts[o].total_bytes])
-                    for o in self.owners
-                ],
-                self.group,
-                chunk_bytes=chunk,
-                timeout_s=self.config.timeout_s,
-                on_chunk=progress,
-            )
-            if self._cuda is not None:
-                # NCCL's waits only order the side stream: time the bytes, not their enqueue
-                # (this thread waits for them at the checksum anyway).
-                moved = self._cuda.new_event()
-                moved.record(self._stream)
-                moved.synchronize()
+            while transfer.rounds_in_flight:
+                done = transfer.wait_oldest(self.config.timeout_s)
+                if self._cuda is not None:
+                    # NCCL's waits only order the side stream: the host waits for the bytes.
+                    moved = self._cuda.new_event()
+                    moved.record(self._stream)
+                    moved.synchronize()
+                if self._progress_hook is not None:
+                    self._progress_hook(job.step, done, transfer.num_rounds)
             t1 = time.perf_counter()
             digest = Checksum(own.is_cuda)
             digest.update(own, 0)
@@ -522,24 +547,21 @@ class Replicator:
             with self._lock:
                 self.own.publish(job.slot, header)
             # A replica is published only once its header checked out and every chunk arrived.
-            out_header = header.to_tensor().to(self._wire_device)
-            in_headers = {
-                o: torch.empty(HEADER_WORDS, dtype=torch.int64, device=self._wire_device)
-                for o in self.owners
-            }
+            out_header = header.to_tensor()
+            in_headers = {o: torch.empty(HEADER_WORDS, dtype=torch.int64) for o in self.owners}
             exchange(
                 [SendBuffer(h, out_header.view(torch.uint8)) for h in self.holders],
                 [RecvBuffer(o, in_headers[o].view(torch.uint8)) for o in self.owners],
-                self.group,
-                chunk_bytes=chunk,
+                self.control_group,
+                chunk_bytes=self.config.chunk_bytes,
                 timeout_s=self.config.timeout_s,
             )
             t3 = time.perf_counter()
             incoming = {o: self._check_header(o, t, header) for o, t in in_headers.items()}
             for o in self.owners:
                 with self._lock:
-                    self.replicas[o].publish(slots[o], incoming[o])
-                if self.config.verify_on_receive and not slots[o].verify():
+                    self.replicas[o].publish(job.replicas[o], incoming[o])
+                if self.config.verify_on_receive and not job.replicas[o].verify():
                     logger.error("replica of rank %d at step %d is unusable", o, job.step)
             t4 = time.perf_counter()
             self._commit(job.step)
@@ -548,11 +570,12 @@ class Replicator:
                     step=job.step,
                     copy_s=job.copy_s,
                     checksum_s=t2 - t1,
-                    transfer_s=t1 - t0,
+                    transfer_s=t1 - job.posted_at,
                     header_s=t3 - t2,
                     commit_s=time.perf_counter() - t4,
                     bytes_sent=layout.total_bytes * len(self.holders),
                     bytes_received=sum(incoming[o].nbytes for o in self.owners),
+                    post_s=job.post_s,
                 )
             )
 
@@ -574,8 +597,8 @@ class Replicator:
     def _commit(self, step: int) -> None:
         # One all-reduce commits the step (MIN) and agrees on the signal (MAX, as MIN of the
         # negation): every rank gets the same answer for this round.
-        t = torch.tensor([step, -self.signal], dtype=torch.int64, device=self._wire_device)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        t = torch.tensor([step, -self.signal], dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group, async_op=True)
         if not work.wait(timeout=timedelta(seconds=self.config.timeout_s)):
             raise ReplicationError(f"commit barrier of step {step} timed out")
         committed, agreed = (int(x) for x in t.tolist())
@@ -665,8 +688,11 @@ class Replicator:
         """Stop the worker thread (after the round in progress) and release the process group."""
         if not self._stop_worker(timeout_s):
             return
-        if self._failure is None and self._owns_group:
-            dist.destroy_process_group(self.group)
+        if self._failure is None:
+            if self._owns_control:
+                dist.destroy_process_group(self.control_group)
+            if self._owns_group:
+                dist.destroy_process_group(self.group)
 
     def abandon(self, timeout_s: float = 10.0) -> bool:
         """Stop replicating after a fault, keeping every complete copy readable.

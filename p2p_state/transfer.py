@@ -82,54 +82,115 @@ def exchange(
         TransferError: a send or receive failed (a peer died or the deadline passed). Bytes
             received so far are incomplete and must not be used.
     """
-    items = posting_order(
-        [(True, s.peer, s.buf, s.tag) for s in sends]
-        + [(False, r.peer, r.buf, r.tag) for r in recvs]
-    )
-    for _, _, buf, tag in items:
-        assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
-        assert tag % _TAGS_PER_TRANSFER == 0
-    num_rounds = max((-(-b.numel() // chunk_bytes) for _, _, b, _ in items), default=0)
-    assert num_rounds < _TAGS_PER_TRANSFER, "chunk_bytes too small for this transfer"
-    peers = sorted({peer for _, peer, _, _ in items})
-    posted: collections.deque[tuple[int, list[dist.Work]]] = collections.deque()
+    transfer = Transfer(sends, recvs, group, chunk_bytes=chunk_bytes)
+    n = transfer.num_rounds
+    while not transfer.all_posted:
+        posted = transfer.post_round()
+        if on_posted is not None:
+            on_posted(posted, n)
+        if transfer.rounds_in_flight >= rounds_in_flight:
+            done = transfer.wait_oldest(timeout_s)
+            if on_chunk is not None:
+                on_chunk(done, n)
+    while transfer.rounds_in_flight:
+        done = transfer.wait_oldest(timeout_s)
+        if on_chunk is not None:
+            on_chunk(done, n)
 
-    def complete_oldest() -> None:
-        i, works = posted.popleft()
+
+class Transfer:
+    """The chunk rounds of one set of sends and receives (see :func:`exchange`), posted with
+    :meth:`post_round` or :meth:`post_all` and completed oldest first with :meth:`wait_oldest`.
+
+    Posting and completing may happen on different threads (one at a time): the replicator
+    posts a round's transfers on the training thread, so that their NCCL kernels are launched
+    at the same point of every rank's step, and completes them on its worker thread.
+    """
+
+    def __init__(
+        self,
+        sends: Sequence[SendBuffer],
+        recvs: Sequence[RecvBuffer],
+        group: dist.ProcessGroup,
+        *,
+        chunk_bytes: int,
+    ) -> None:
+        self._items = posting_order(
+            [(True, s.peer, s.buf, s.tag) for s in sends]
+            + [(False, r.peer, r.buf, r.tag) for r in recvs]
+        )
+        for _, _, buf, tag in self._items:
+            assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+            assert tag % _TAGS_PER_TRANSFER == 0
+        self._group = group
+        self._chunk_bytes = chunk_bytes
+        self.num_rounds = max(
+            (-(-b.numel() // chunk_bytes) for _, _, b, _ in self._items), default=0
+        )
+        assert self.num_rounds < _TAGS_PER_TRANSFER, "chunk_bytes too small for this transfer"
+        self.peers = sorted({peer for _, peer, _, _ in self._items})
+        self._next = 0
+        self._in_flight: collections.deque[tuple[int, list[dist.Work]]] = collections.deque()
+
+    @property
+    def all_posted(self) -> bool:
+        """Whether every round has been posted."""
+        return self._next == self.num_rounds
+
+    @property
+    def rounds_in_flight(self) -> int:
+        """Rounds posted and not yet waited for."""
+        return len(self._in_flight)
+
+    def post_round(self) -> int:
+        """Post the next chunk round (one ``batch_isend_irecv``); returns its index."""
+        i, c = self._next, self._chunk_bytes
+        ops = []
+        for is_send, peer, buf, tag in self._items:
+            piece = buf[i * c : (i + 1) * c]
+            if piece.numel():
+                fn = dist.isend if is_send else dist.irecv
+                ops.append(dist.P2POp(fn, piece, peer, self._group, tag=tag + i))
+        try:
+            self._in_flight.append((i, dist.batch_isend_irecv(ops)))
+        except Exception as e:
+            raise TransferError(
+                f"posting chunk round {i + 1} to ranks {self.peers} failed: {e}"
+            ) from e
+        self._next += 1
+        return i
+
+    def post_all(self) -> None:
+        """Post every round not posted yet."""
+        while not self.all_posted:
+            self.post_round()
+
+    def wait_oldest(self, timeout_s: float) -> int:
+        """Wait for the oldest round in flight (within ``timeout_s``); returns its index.
+
+        On NCCL a wait orders the caller's current stream after the round, as ``Work.wait``
+        does; the host waits with an event recorded after it.
+
+        Raises:
+            TransferError: the round failed (a peer died) or timed out.
+        """
+        i, works = self._in_flight.popleft()
+        n = self.num_rounds
         try:
             for work in works:
                 if work.wait(timeout=timedelta(seconds=timeout_s)) is False:
                     raise TransferError(
-                        f"transfer with ranks {peers}: chunk round {i + 1}/{num_rounds} timed "
+                        f"transfer with ranks {self.peers}: chunk round {i + 1}/{n} timed "
                         f"out after {timeout_s:.0f}s"
                     )
         except TransferError:
             raise
         except Exception as e:
             raise TransferError(
-                f"transfer with ranks {peers} failed in chunk round {i + 1}/{num_rounds} "
+                f"transfer with ranks {self.peers} failed in chunk round {i + 1}/{n} "
                 f"(deadline {timeout_s:.0f}s per round): {e}"
             ) from e
-        if on_chunk is not None:
-            on_chunk(i, num_rounds)
-
-    for i in range(num_rounds):
-        ops = []
-        for is_send, peer, buf, tag in items:
-            piece = buf[i * chunk_bytes : (i + 1) * chunk_bytes]
-            if piece.numel():
-                fn = dist.isend if is_send else dist.irecv
-                ops.append(dist.P2POp(fn, piece, peer, group, tag=tag + i))
-        try:
-            posted.append((i, dist.batch_isend_irecv(ops)))
-        except Exception as e:
-            raise TransferError(f"posting chunk round {i + 1} to ranks {peers} failed: {e}") from e
-        if on_posted is not None:
-            on_posted(i, num_rounds)
-        if len(posted) >= rounds_in_flight:
-            complete_oldest()
-    while posted:
-        complete_oldest()
+        return i
 
 
 def posting_order(items: list[tuple[bool, int, torch.Tensor, int]]) -> list[Any]:

@@ -49,6 +49,15 @@ class JobReplication:
         assert self._session.comms is not None  # a member of a generation has its groups
         return self._session.comms.group("replication", backend)
 
+    def control_group(self) -> dist.ProcessGroup | None:
+        """This generation's gloo group for replication's headers and commits beside an NCCL
+        replication group (``None``: the replication group is gloo and carries them)."""
+        device = training_device(self._session.device_type)
+        if replication_backend(self._config.replication, device) == "gloo":
+            return None
+        assert self._session.comms is not None
+        return self._session.comms.group("replication-control", "gloo")
+
     def checkpoint_group(self) -> dist.ProcessGroup:
         """This generation's group for cold checkpoints."""
         assert self._session.comms is not None
@@ -83,6 +92,7 @@ class JobReplication:
             on_replicated=self._on_replicated,
             progress_hook=self._on_chunk,
             group=self.replication_group(),
+            control_group=self.control_group(),
             placement=placement_of(info, k),
             recycle=self.stores.recycle_for(step) if recovering else None,
         )

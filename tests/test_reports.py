@@ -385,7 +385,7 @@ def _replicate() -> ReplicateReport:
         step_time_ms_on=100.0,
         snapshot_gbps=1.5,
         memcpy_gbps=20.0,
-        round_ms_in_training=RoundTimes(1.0, 0.5, 7.0, 12.0),
+        round_ms_in_training=RoundTimes(1.0, 0.5, 7.0, 12.0, 0.2),
         measured_steps_per_mode=3,
         machine=HostInfo(2, "3.11.7", "2.13.0+cpu"),
         command="p2p-bench replicate --model tiny --json",
@@ -429,6 +429,7 @@ def test_the_replicate_report_has_the_keys_it_always_printed_and_its_ratios():
         "checksum": 0.5,
         "transfer": 7.0,
         "headers_and_commit": 12.0,
+        "post": 0.2,
     }
     assert doc["machine"] == {"cpus": 2, "python": "3.11.7", "torch": "2.13.0+cpu"}
 

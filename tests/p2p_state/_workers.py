@@ -240,3 +240,54 @@ def refuses_what_does_not_fit() -> dict:
         return {"error": ""}
     except InsufficientMemoryError as e:
         return {"error": str(e)}
+
+
+def posting_threads(num_steps: int, chunk_bytes: int) -> dict:
+    """Replicate over a data group and a separate control group (the arrangement beside NCCL)
+    and record which thread posts what where."""
+    import threading
+
+    rank = dist.get_rank()
+    model = build_model("tiny", seed=0)  # plain module: each rank's "shard" is the whole model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainingState(model, opt)
+    data, control = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    posts: list[tuple[str, str, str]] = []
+    names = {id(data): "data", id(control): "control"}
+    batch, all_reduce = dist.batch_isend_irecv, dist.all_reduce
+
+    def recorded_batch(ops):
+        posts.append(("p2p", names.get(id(ops[0].group), "?"), threading.current_thread().name))
+        return batch(ops)
+
+    def recorded_all_reduce(tensor, *args, group=None, **kwargs):
+        posts.append(("all_reduce", names.get(id(group), "?"), threading.current_thread().name))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_reduce = recorded_batch, recorded_all_reduce
+    try:
+        config = ReplicationConfig(chunk_bytes=chunk_bytes, timeout_s=60)
+        rep = Replicator(state, config, group=data, control_group=control)
+        same = []
+        for step in range(1, num_steps + 1):
+            tokens = synthetic_batch(PRESETS["tiny"], step=step, rank=rank, batch_size=2)
+            model.loss(tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            rep.replicate(step)
+            rep.flush()
+            mine = rep.own_slot(step).buffer
+            theirs = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(theirs, mine)
+            same.append(
+                all(torch.equal(rep.replica_slot(o, step).buffer, theirs[o]) for o in rep.owners)
+            )
+        rep.close()
+    finally:
+        dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
+    return {
+        "rank": rank,
+        "posts": posts,
+        "committed": rep.committed_step,
+        "replicas_equal": same,
+    }

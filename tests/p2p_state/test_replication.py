@@ -233,3 +233,20 @@ def test_an_abandoned_replicator_lets_go_of_the_old_model_and_optimizer():
     assert rep.own_steps() == [4, 5]
     with pytest.raises(ReplicationError, match="abandoned"):
         rep._wait_idle(0.1)  # so replicate() refuses before it would need the state
+
+
+def test_the_worker_posts_no_data_transfer_only_headers_and_commits():
+    # Beside NCCL the round's transfers must be launched at the same point of every rank's
+    # step: replicate() posts them on the training thread; the worker thread only waits for
+    # them and talks over the control group (gloo: no kernels to order).
+    steps = 3
+    cfg = WorkerGroupConfig(world_size=2, ranks_per_node=1, timeout_s=120)
+    for r in run_local(_workers.posting_threads, cfg, (steps, 4096)):
+        assert r["committed"] == steps and r["replicas_equal"] == [True] * steps
+        data = [(kind, thread) for kind, group, thread in r["posts"] if group == "data"]
+        control = [(kind, thread) for kind, group, thread in r["posts"] if group == "control"]
+        # Several chunk rounds per step, every one posted by the training thread.
+        assert len(data) > 2 * steps and {t for _, t in data} == {"MainThread"}
+        # One header exchange and one commit per step, both on the worker thread.
+        assert sorted(k for k, _ in control) == ["all_reduce"] * steps + ["p2p"] * steps
+        assert {t for _, t in control} == {f"p2p-replicator-{r['rank']}"}

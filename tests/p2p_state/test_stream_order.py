@@ -89,8 +89,9 @@ def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _replicator(state: TrainingState, cuda: StandInCuda) -> Replicator:
-    """Only what replicate() and the fences use; the worker never runs."""
+def _replicator(state: TrainingState, cuda: StandInCuda, post_in_step: bool = True) -> Replicator:
+    """Only what replicate() and the fences use; the worker never runs. The round's transfers
+    are recorded, not posted (``post_in_step``: replicate() posts them, as over NCCL)."""
     rep = Replicator.__new__(Replicator)
     rep.state, rep.config = state, ReplicationConfig()
     rep.kind, rep.device = MemoryKind.HOST, torch.device("cpu")
@@ -98,7 +99,11 @@ def _replicator(state: TrainingState, cuda: StandInCuda) -> Replicator:
     rep._idle = threading.Condition(rep._lock)
     rep._in_flight, rep._failure, rep._queue, rep._snapshots = 0, None, queue.Queue(), 0
     rep.own = DoubleBuffer(state.layout.total_bytes, MemoryKind.HOST, rep.device)
+    rep.owners, rep.holders, rep.replicas, rep._post_in_step = (), (), {}, post_in_step
+    rep.layout, rep.group = state.layout, None
     rep._use_streams(cuda)
+    if cuda is not None:
+        rep._post = lambda slot, replicas: cuda.log.append(("post", cuda.current().name))
     return rep
 
 
@@ -124,6 +129,9 @@ def test_replicate_enqueues_the_copy_on_the_side_stream_and_the_next_forward_wai
         ("wait_stream", "side", "training"),  # the copy starts after the optimizer step
         ("capture on", "side"),
         ("record", "copy1", "side"),  # recorded after the copy, on its stream
+        # The round's NCCL transfers, posted here on the training thread (the same point of
+        # every rank's step) and from the side stream, so NCCL's stream waits for the copy.
+        ("post", "side"),
     ]
     job = rep._queue.get_nowait()
     assert job.copied is rep._last_copy and job.step == 1
@@ -261,12 +269,25 @@ def test_the_staging_reserved_at_start_up_holds_a_snapshot_s_host_pieces():
     assert [e[0] for e in log] == ["record", "synchronize", "record"]  # one staged copy each
 
 
-def test_nccl_replication_under_serialised_launches_is_warned_about_with_the_fix():
-    from p2p_state.replicator import serialized_launch_warning
+def test_gloo_transfers_of_a_side_stream_copy_are_posted_by_the_worker_after_the_copy():
+    # Pinned snapshots over gloo: gloo reads host memory unordered with CUDA streams, so the
+    # transfers wait for the copy, off the training thread (which only enqueues).
+    model, opt = _model_and_optimizer()
+    log = Log()
+    cuda = StandInCuda(log)
+    rep = _replicator(TrainingState(model, opt), cuda, post_in_step=False)
+    assert rep.replicate(1)
+    assert ("post", "side") not in log
+    job = rep._queue.get_nowait()
+    assert job.transfer is None
+    log.clear()
+    stop = RuntimeError("the headers come next")
 
-    warning = serialized_launch_warning("nccl", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    assert warning is not None and "deadlock" in warning
-    assert "ReplicationConfig.memory='pinned'" in warning
-    assert serialized_launch_warning("gloo", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None
-    assert serialized_launch_warning("nccl", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) is None
-    assert serialized_launch_warning("nccl", {}) is None
+    def post(slot, replicas):
+        log.append(("post", cuda.current().name))
+        raise stop
+
+    rep._post = post
+    with contextlib.suppress(RuntimeError):
+        rep._run_round(job)
+    assert log == [("synchronize", "copy1"), ("post", "side")]
