@@ -206,7 +206,8 @@ class Replicator:
         recycle: A recovery's pool of the previous generation's buffers (see
             :meth:`give_back`): each slot takes its buffer from there when it is first
             written (the own slots by the snapshots of the restored and the next step, the
-            replicas by the worker thread), and a new one, not prefaulted, only if none fits.
+            replicas when a round posts its receives), and a new one, not prefaulted, only if
+            none fits.
             Nothing is allocated on the recovery's critical path.
     """
 
