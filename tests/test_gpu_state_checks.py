@@ -151,6 +151,8 @@ def replication() -> dict:
         "step_time_ms_off": 20.0,
         "step_time_ms_on": 20.6,
         "snapshot_vs_memcpy": 0.9,
+        "copy_ms": 1.5,
+        "post_ms": 0.25,
         "transport": "NCCL's socket transport (the ranks share a GPU)",
     }
 
@@ -173,7 +175,10 @@ def test_the_replication_and_kill_sections_are_printed_with_their_references(rep
     report = _report(replication=replication, kill_and_recover=kill)
     lines = gpu_check._table(report).splitlines()
     assert lines[2].startswith("  replication      2.00 GB/s over nccl from gpu memory (0.80x raw")
-    assert lines[3] == "  step with it     20.6 ms against 20.0 ms without (+3.0 %)"
+    assert lines[3] == (
+        "  step with it     20.6 ms against 20.0 ms without (+3.0 %); the training thread "
+        "enqueues the copy in 1.50 ms and posts the transfers in 0.25 ms"
+    )
     assert lines[4] == (
         f"  kill + recover   {gpu_check.KILL}: FAILED rank 2: parameters differ; downtime 1.25 s,"
         " 1 step(s) lost, restored from peers (detect 20, transfer 5 ms)"
