@@ -103,7 +103,8 @@ class RoundStats:
     """Snapshot copy on the training thread (on a GPU: enqueueing it on the side stream)."""
     checksum_s: float
     transfer_s: float
-    """All chunk rounds of the send/recv of the snapshot bytes to and from the buddies."""
+    """All chunk rounds of the send/recv of the snapshot bytes to and from the buddies, from
+    their posting to the last byte."""
     header_s: float
     """The header exchange after the data, mostly waiting for the buddies' checksums."""
     commit_s: float
@@ -516,10 +517,11 @@ class Replicator:
         with ctx:
             layout = self.layout
             own = _buffer_of(job.slot)[: layout.total_bytes]
-            transfer = job.transfer
+            transfer, posted_at = job.transfer, job.posted_at
             if transfer is None:  # gloo from host memory a side stream copies into
                 if job.copied is not None:
                     job.copied.synchronize()
+                posted_at = time.perf_counter()
                 transfer = self._post(job.slot, job.replicas)
             # Data first, so every rank starts sending as soon as its copy is done; then the
             # checksum, then the headers that carry it. (Checksumming while the chunks are in
@@ -571,7 +573,7 @@ class Replicator:
                     step=job.step,
                     copy_s=job.copy_s,
                     checksum_s=t2 - t1,
-                    transfer_s=t1 - job.posted_at,
+                    transfer_s=t1 - posted_at,
                     header_s=t3 - t2,
                     commit_s=time.perf_counter() - t4,
                     bytes_sent=layout.total_bytes * len(self.holders),
