@@ -261,10 +261,9 @@ class Replicator:
         # NCCL transfers and host snapshots are posted by replicate() on the training thread;
         # gloo transfers of a snapshot copied on a side stream wait for the copy, in the worker.
         self._post_in_step = self.backend == "nccl" or self.device.type != "cuda"
-        self._wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
-        raw = gather_bytes(
-            state.layout.to_bytes(), self.group, self._wire_device, self.config.timeout_s
-        )
+        # The layouts go over the replication group itself: on its device for NCCL.
+        wire = self.device if self.backend == "nccl" else torch.device("cpu")
+        raw = gather_bytes(state.layout.to_bytes(), self.group, wire, self.config.timeout_s)
         self.layouts = [StateLayout.from_bytes(b) for b in raw]
         check_same_structure(self.layouts)
         assert self.layouts[self.rank].layout_hash == state.layout.layout_hash

@@ -84,18 +84,20 @@ def exchange(
     """
     transfer = Transfer(sends, recvs, group, chunk_bytes=chunk_bytes)
     n = transfer.num_rounds
+
+    def complete_oldest() -> None:
+        done = transfer.wait_oldest(timeout_s)
+        if on_chunk is not None:
+            on_chunk(done, n)
+
     while not transfer.all_posted:
         posted = transfer.post_round()
         if on_posted is not None:
             on_posted(posted, n)
         if transfer.rounds_in_flight >= rounds_in_flight:
-            done = transfer.wait_oldest(timeout_s)
-            if on_chunk is not None:
-                on_chunk(done, n)
+            complete_oldest()
     while transfer.rounds_in_flight:
-        done = transfer.wait_oldest(timeout_s)
-        if on_chunk is not None:
-            on_chunk(done, n)
+        complete_oldest()
 
 
 class Transfer:
