@@ -145,6 +145,8 @@ class ProtectedJob:
                 rec = RecoveryRecord(info.generation, CAUSE_JOINED, started_t=info.arrived_t)
                 if not info.graceful:  # a graceful one is joined when its members switch
                     rec.phases[phases.COMMUNICATORS] = self._session.joined_t - info.arrived_t
+                with self._hooks.phase(rec, phases.COMMUNICATORS):
+                    self._copies.form_groups()
                 self._restore_into(info, rec)
             else:
                 self._fresh_start()
@@ -248,6 +250,7 @@ class ProtectedJob:
 
     def _fresh_start(self) -> None:
         self._rebuild.check_fresh_start()
+        self._copies.form_groups()
         state = self._take(self._rebuild.build())
         step, extras = 0, self._extras()
         if self.config.resume:
@@ -361,6 +364,7 @@ class ProtectedJob:
         try:
             with self._hooks.phase(rec, phases.COMMUNICATORS):
                 self._session.join(info)
+                self._copies.form_groups()
             self._restore_into(info, rec)
         except Exception as e:
             if self._decide(e) is not Action.LEAVE:

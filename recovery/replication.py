@@ -42,6 +42,21 @@ class JobReplication:
         self.checkpointer: ColdCheckpointer | None = None
         self._last_replicated = -1
 
+    def form_groups(self) -> None:
+        """Form this generation's groups besides the default one: the replication group, the
+        gloo group of its headers beside NCCL, the checkpoint group when checkpoints are on.
+
+        Called by every member right after it joined the generation, so each creation (a
+        collective) happens in the same order everywhere and its time, an NCCL split or a gloo
+        rendezvous, counts in the recovery's ``communicators`` phase rather than in the plan or
+        the first replication round. A group asked for later (a stop checkpoint's without
+        periodic checkpoints) is still made on first use.
+        """
+        self.replication_group()
+        self.control_group()
+        if self._config.checkpoint is not None:
+            self.checkpoint_group()
+
     def replication_group(self) -> dist.ProcessGroup:
         """This generation's group for replication and restores."""
         device = training_device(self._session.device_type)
