@@ -1,5 +1,5 @@
-"""The reports of ``p2p-bench replicate``, ``data``, ``gpu-check`` and ``scale-report``, as named
-data.
+"""The reports of ``p2p-bench replicate``, ``data``, ``rendezvous``, ``gpu-check`` and
+``scale-report``, as named data.
 
 As in :mod:`bench.reports`, each report's ``to_json()`` is the document its bench prints
 (``--json``) and writes (``report.json``): the keys, their order and their values are the
@@ -169,6 +169,83 @@ class DataReport:
     def from_json(cls, doc: Json) -> DataReport:
         """A report read back from its document (``KeyError``: a key it needs is missing)."""
         return cls(**{f.name: doc[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(slots=True)
+class RendezvousPattern:
+    """One way of forming a gloo group through the store, per group (see
+    :mod:`bench.rendezvous_bench`)."""
+
+    address_bytes: int
+    """One member's address as gloo writes it."""
+    requests: int
+    """Every member's write and reads."""
+    reply_mb: float
+    """Addresses read, all members together."""
+    store_cpu_s: float
+    """The store process's CPU time, scaled to every member's reads."""
+    wall_s: float
+    """Elapsed with the bench's clients, scaled the same way."""
+    replayed_members: int
+    """Members whose reads were replayed (the rest scaled from them)."""
+
+
+@dataclass(slots=True)
+class RendezvousSize:
+    """Torch's default way and the engine's at one group size."""
+
+    members: int
+    default: RendezvousPattern
+    engine: RendezvousPattern
+
+    @property
+    def store_cpu_ratio(self) -> float:
+        return self.default.store_cpu_s / max(self.engine.store_cpu_s, 1e-9)
+
+
+@dataclass(slots=True)
+class RendezvousReport:
+    """``p2p-bench rendezvous``: what forming one gloo group costs the rendezvous store."""
+
+    sizes: list[RendezvousSize]
+    clients: int
+    machine: HostInfo
+    command: str
+
+    def to_json(self) -> Json:
+        """The object ``p2p-bench rendezvous --json`` prints."""
+        return {
+            "benchmark": "rendezvous",
+            "clients": self.clients,
+            "sizes": [
+                {
+                    "members": s.members,
+                    "default": dataclasses.asdict(s.default),
+                    "engine": dataclasses.asdict(s.engine),
+                    "store_cpu_ratio": s.store_cpu_ratio,
+                }
+                for s in self.sizes
+            ],
+            "machine": dataclasses.asdict(self.machine),
+            "command": self.command,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Json) -> RendezvousReport:
+        """A report read back from its document (``KeyError``: a key it needs is missing)."""
+        return cls(
+            sizes=[
+                RendezvousSize(
+                    s["members"],
+                    RendezvousPattern(**s["default"]),
+                    RendezvousPattern(**s["engine"]),
+                )
+                for s in doc["sizes"]
+            ],
+            clients=doc["clients"],
+            machine=HostInfo(**doc["machine"]),
+            command=doc["command"],
+        )
 
 
 CheckResult = Json | list[Json]

@@ -25,6 +25,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.data_bench",
         "time to a replacement rank's first batch from the node cache vs. from the source",
     ),
+    "rendezvous": (
+        "bench.rendezvous_bench",
+        "one gloo group's rendezvous through the store at 256-2,048 members: torch's way and ours",
+    ),
     "recover": (
         "bench.recover_bench",
         "one SIGKILL with a spare: each recovery phase, recovery_s, bitwise check",

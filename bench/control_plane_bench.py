@@ -280,7 +280,8 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                 m["next"] = now + interval
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` used so far (user and system, from ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -487,10 +488,10 @@ def _measure_size(n: int, args: argparse.Namespace) -> ControlPlaneSize:
                     c.send(("count",))
                 return sum(c.recv() for c in conns)
 
-            b0, c0, t0 = beats(), _cpu_s(coord.pid), time.monotonic()
+            b0, c0, t0 = beats(), process_cpu_s(coord.pid), time.monotonic()
             time.sleep(args.cpu_window)  # the measurement window itself
             window = time.monotonic() - t0
-            cpu_share = (_cpu_s(coord.pid) - c0) / window
+            cpu_share = (process_cpu_s(coord.pid) - c0) / window
             beat_rate = (beats() - b0) / window
 
             detect, generation, hang = [], [], []

@@ -227,6 +227,7 @@ class Injector:
         self._job: Any = None
         self._step = 0
         self._recoveries_seen = 0
+        self._last_rank = -1
 
     def arm(self, job: Any) -> None:
         """Attach to a :class:`recovery.job.ProtectedJob` (before its first step)."""
@@ -260,9 +261,13 @@ class Injector:
     # -- firing --------------------------------------------------------------------------------
 
     def _rank(self) -> int:
+        """This process's rank; between two generations (one whose groups could not be formed,
+        the next one's not formed yet) there is no group, and it is the last rank it had."""
         import torch.distributed as dist
 
-        return dist.get_rank()
+        if dist.is_initialized():
+            self._last_rank = dist.get_rank()
+        return self._last_rank
 
     def _mine(self, fault: Fault) -> bool:
         rank = self._rank()

@@ -3,7 +3,8 @@
 torch's ``TCPStore`` has no authentication: anyone who reaches its port can read and write the
 job's rendezvous keys (a forged gloo address or NCCL unique id takes over a pair's connection).
 This store keeps the same semantics (``set``/``get``/``add``/``wait``/``check``/
-``compare_set``/``delete_key``/``num_keys``) and is accepted by every process-group constructor
+``compare_set``/``delete_key``/``num_keys``, and the extended ``append``/``multi_get``/
+``multi_set``) and is accepted by every process-group constructor
 (a Python subclass of :class:`torch.distributed.Store`), but every request and every reply is a
 msgpack payload under an HMAC-SHA256 tag keyed by the job's secret, checked with
 :func:`hmac.compare_digest` before a byte is decoded.
@@ -17,13 +18,16 @@ never takes a reply to someone else's request (or an old one) for its own.
 
 Bounds: keys up to :data:`MAX_KEY_BYTES`, values up to :data:`MAX_VALUE_BYTES`, all values
 together up to ``max_total_bytes``, at most ``max_sessions`` live sessions; frames above the
-size limit are refused by libzmq before they are buffered (``MAXMSGSIZE``). Waiting is done by
+size limit are refused by libzmq before they are buffered (``MAXMSGSIZE``); a ``multi_get``
+whose values would not fit in one reply returns the longest prefix that does, and the client
+asks again for the rest. Waiting is done by
 the client (``check`` with a backoff, under the store's timeout), so the server never holds a
 request open and one thread serves every rank.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -45,11 +49,28 @@ MAX_REQUEST_BYTES = MAX_VALUE_BYTES + 2 * MAX_KEY_BYTES + 256
 """The largest payload a request can have (a ``compare_set`` of two full values and a key)."""
 FRESHNESS_S = 600.0
 """How far a request's send time may be from the server's clock."""
+MAX_KEYS_PER_REQUEST = 1 << 16
+"""The most keys one ``check``, ``multi_get`` or ``multi_set`` names."""
 DEFAULT_MAX_TOTAL_BYTES = 256 << 20
 DEFAULT_MAX_SESSIONS = 1 << 16
 _DOMAIN = b"p2p-rendezvous-store/1"
 
-_OPS = frozenset({"set", "get", "add", "check", "compare_set", "delete_key", "num_keys"})
+_OPS = frozenset(
+    {
+        "set",
+        "get",
+        "add",
+        "check",
+        "compare_set",
+        "delete_key",
+        "num_keys",
+        "append",
+        "multi_get",
+        "multi_set",
+    }
+)
+_ITEM_OVERHEAD = 8
+"""Reply bytes counted per value of a ``multi_get`` besides the value (msgpack's header)."""
 
 
 class StoreRejected(ValueError):
@@ -93,6 +114,12 @@ def _key(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value.encode()) <= MAX_KEY_BYTES:
         raise StoreRejected("malformed key")
     return value
+
+
+def _keys(value: Any) -> list[str]:
+    if not isinstance(value, list) or len(value) > MAX_KEYS_PER_REQUEST:
+        raise StoreRejected("malformed key list")
+    return [_key(k) for k in value]
 
 
 def _value(value: Any) -> bytes:
@@ -144,10 +171,34 @@ class _Data:
             self.put(key, str(value).encode())
             return value
         if op == "check":
-            keys = args[0]
-            if not isinstance(keys, list) or len(keys) > 1 << 16:
-                raise StoreRejected("malformed key list")
-            return all(_key(k) in self.values for k in keys)
+            return all(k in self.values for k in _keys(args[0]))
+        if op == "append":
+            key, more = _key(args[0]), _value(args[1])
+            joined = self.values.get(key, b"") + more
+            if len(joined) > MAX_VALUE_BYTES:
+                raise StoreRejected(f"append would make key {key!r} longer than a value may be")
+            self.put(key, joined)
+            return None
+        if op == "multi_get":
+            return self._multi_get(_keys(args[0]))
+        if op == "multi_set":
+            keys, values = _keys(args[0]), args[1]
+            if not isinstance(values, list) or len(values) != len(keys):
+                raise StoreRejected("multi_set needs one value per key")
+            pairs = dict(zip(keys, map(_value, values)))  # a key named twice: the last value
+            # All or nothing: refused before anything is written if they do not fit together.
+            grown = sum(
+                len(v) - len(self.values[k]) if k in self.values else len(k) + len(v)
+                for k, v in pairs.items()
+            )
+            if self.total_bytes + grown > self.max_total_bytes:
+                raise StoreRejected(
+                    f"the rendezvous store is full ({self.total_bytes} of "
+                    f"{self.max_total_bytes} bytes)"
+                )
+            for k, v in pairs.items():
+                self.put(k, v)
+            return None
         if op == "compare_set":
             key, expected, desired = _key(args[0]), _value(args[1]), _value(args[2])
             held = self.values.get(key)
@@ -161,6 +212,21 @@ class _Data:
         if op == "num_keys":
             return len(self.values)
         raise StoreRejected(f"unknown operation {op[:20]!r}")
+
+    def _multi_get(self, keys: list[str]) -> list[bytes] | None:
+        """The values of ``keys`` (``None`` while one is missing): as many, from the first,
+        as one reply holds; the client asks again for the rest."""
+        if not all(k in self.values for k in keys):
+            return None
+        out: list[bytes] = []
+        size = 0
+        for k in keys:
+            value = self.values[k]
+            size += len(value) + _ITEM_OVERHEAD
+            if out and size > MAX_VALUE_BYTES:
+                break
+            out.append(value)
+        return out
 
 
 class StoreServer:
@@ -193,6 +259,8 @@ class StoreServer:
         self._max_sessions = max_sessions
         self.drops = DropLog(logger)
         self.served = 0
+        self.served_ops: collections.Counter[str] = collections.Counter()
+        """Requests answered, by operation."""
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         harden_socket(self._sock)
@@ -292,6 +360,7 @@ class StoreServer:
         except (StoreRejected, IndexError) as e:
             result, error = None, str(e) or "malformed arguments"
         self.served += 1
+        self.served_ops[op] += 1
         reply = {"v": STORE_VERSION, "sid": sid, "seq": seq, "result": result, "error": error}
         payload = msgpack.packb(reply, use_bin_type=True)
         try:

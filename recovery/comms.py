@@ -34,6 +34,12 @@ the abort does waits that long (15 s by default) for a flight-recorder dump, the
 times as long whether a dump was made or not, and destroying the group joins the watchdog, so a
 survivor missed the next generation's acknowledgement deadline and was replaced (both seen on
 an H100).
+
+And with :data:`GLOO_ENVIRONMENT`: a gloo group's creation reads every member's address from
+the store; those addresses stay a few hundred bytes at any world size and are read with one
+``multi_get`` per 128 members (the authenticated store has the extended API), so forming a
+group costs the store N^2 / 128 requests of constant-size values instead of N^2 requests of
+values that grow with N.
 """
 
 from __future__ import annotations
@@ -80,6 +86,25 @@ NCCL_ENVIRONMENT = {
         "as long, dump or not, and leaving the generation waits for the watchdog",
     ),
 }
+
+#: What gloo reads when a group is constructed, as every group of the engine is made, and why.
+#: A gloo group connects every pair of its members, each member reading every other's address
+#: from the store: at N ranks that is N^2 reads per group, and by default each address also
+#: carries N pair numbers (N^3 bytes, tens of GB per group at 2,048 ranks).
+GLOO_ENVIRONMENT = {
+    "GLOO_ENABLE_STORE_V2_API": (
+        "1",
+        "each member reads the group's addresses with one multi_get per 128 members instead of "
+        "one get per member (the store has the extended API)",
+    ),
+    "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": (
+        "1",
+        "a member's address names its rank instead of one pair number per member, so it stays a "
+        "few hundred bytes at any world size",
+    ),
+}
+#: Every variable set before a group of the engine is created.
+GROUP_ENVIRONMENT = {**NCCL_ENVIRONMENT, **GLOO_ENVIRONMENT}
 
 #: Serialises the creation of sockets whose ownership is recorded (see the module docstring).
 _CREATE_LOCK = threading.Lock()
@@ -159,7 +184,7 @@ class Comms:
             raise Interrupted(f"generation {self.generation} ended before its groups were made")
         ignore = set(self.spec.ignore_peers)
         with _CREATE_LOCK:
-            _set_nccl_environment()
+            _set_group_environment()
             before = tcp_sockets()
             try:
                 return create()
@@ -338,9 +363,10 @@ def _side_group_options(backend: str, max_ctas: int) -> Any:
     return options
 
 
-def _set_nccl_environment() -> None:
-    """Give the group about to be created the NCCL environment the engine's abort requires."""
-    for name, (value, why) in NCCL_ENVIRONMENT.items():
+def _set_group_environment() -> None:
+    """Give the group about to be created the NCCL environment the engine's abort requires and
+    the gloo environment that keeps its rendezvous small."""
+    for name, (value, why) in GROUP_ENVIRONMENT.items():
         previous = os.environ.get(name)
         if previous not in (None, value):
             logger.warning("%s=%s replaced by %s: %s", name, previous, value, why)

@@ -69,6 +69,21 @@ def test_control_plane_bench(capsys):
         assert size["takeover_members"] >= 32 + 4 - 1
 
 
+def test_rendezvous_bench(capsys):
+    from bench.rendezvous_bench import address_bytes, reads_per_member
+
+    argv = ["--ranks", "16", "--min-requests", "300", "--clients", "2", "--json"]
+    r = _run(capsys, "rendezvous", *argv)
+    (size,) = r["sizes"]
+    default, engine = size["default"], size["engine"]
+    assert size["members"] == 16 and r["clients"] == 2
+    assert default["requests"] == 16 * (1 + reads_per_member(16, engine=False)) == 16 * 33
+    assert engine["requests"] == 16 * (1 + reads_per_member(16, engine=True)) == 16 * 2
+    assert default["address_bytes"] == address_bytes(16, engine=False) > engine["address_bytes"]
+    assert default["replayed_members"] * 32 >= 300 and engine["replayed_members"] >= 300
+    assert default["store_cpu_s"] >= 0 and engine["wall_s"] > 0
+
+
 def test_replicate_bench(capsys):
     r = _run(
         capsys,
@@ -224,7 +239,8 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
         "--fault",
         "kill:rank=1@step=3",
         "--fault",
-        "hang-coordinator@recovery=1:phase=plan",
+        # Forming the new groups needs the coordinator's store; nothing after it does.
+        "hang-coordinator@recovery=1:phase=communicators",
         "--fault",
         "kill:rank=2@step=5",
     )
@@ -240,6 +256,10 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
     late = [e for e in events if e["event"] == "generation_started" and e["t"] > took["t"]]
     assert late and {e["source"] for e in late} == {"coordinator/1"}
     assert 2 in {r for e in late for r in e["lost"]}, "the later fault: the new coordinator's"
+    # The survivors left the generation the hung store could not form, and joined the next.
+    given_up = [e["reason"] for e in events if e["event"] == "recovery_abandoned"]
+    assert given_up and all(r.startswith("Interrupted") for r in given_up), given_up
+    assert not [e for e in events if e["event"] == "fault" and "arrive" in e.get("reason", "")]
 
 
 def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp_path):

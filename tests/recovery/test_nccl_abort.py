@@ -19,8 +19,8 @@ import torch.distributed as dist
 from recovery import comms as comms_mod
 from recovery.comms import (
     ENV_NCCL_ASYNC_ERROR_HANDLING,
+    GROUP_ENVIRONMENT,
     NCCL_ASYNC_ERROR_HANDLING,
-    NCCL_ENVIRONMENT,
     Comms,
     CommsSpec,
     abort_together,
@@ -160,15 +160,19 @@ def test_the_session_aborts_off_the_heartbeat_thread() -> None:
     assert started == ["background"]
 
 
-def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypatch, caplog):
+def test_every_group_is_created_with_the_nccl_handling_the_abort_needs_and_gloos_small_rendezvous(
+    monkeypatch, caplog
+):
     monkeypatch.setenv(ENV_NCCL_ASYNC_ERROR_HANDLING, "3")  # torch's default tears down
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # holds the watchdog 15 s
     monkeypatch.delenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", raising=False)  # 15 s, then 60 s
+    monkeypatch.setenv("GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "0")  # N pair numbers an address
+    monkeypatch.delenv("GLOO_ENABLE_STORE_V2_API", raising=False)  # one get per member
     seen: list[tuple[str, dict[str, str | None]]] = []
 
     def record(what):
         def create(*args, **kwargs):
-            seen.append((what, {n: comms_mod.os.environ.get(n) for n in NCCL_ENVIRONMENT}))
+            seen.append((what, {n: comms_mod.os.environ.get(n) for n in GROUP_ENVIRONMENT}))
             return types.SimpleNamespace(set_timeout=lambda t: None)
 
         return create
@@ -182,9 +186,12 @@ def test_every_group_is_created_with_the_nccl_handling_the_abort_needs(monkeypat
     wanted = {ENV_NCCL_ASYNC_ERROR_HANDLING: NCCL_ASYNC_ERROR_HANDLING}
     wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"
     wanted["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = "0"
+    wanted["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] = "1"
+    wanted["GLOO_ENABLE_STORE_V2_API"] = "1"
     assert seen == [("default", wanted), ("new_group", wanted), ("new_group", wanted)]
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 replaced by 0" in caplog.text
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1 replaced by 0" in caplog.text
+    assert "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=0 replaced by 1" in caplog.text
     comms.default = None  # a stand-in: nothing to destroy
     comms.destroy()
 

@@ -57,14 +57,15 @@ def _answered(sock: zmq.Socket, timeout_ms: int = 2000) -> dict | None:
     return msgpack.unpackb(sock.recv_multipart()[1], raw=False)
 
 
-def test_a_gloo_group_forms_through_it_and_computes(server):
+def _gloo_group(server, prefix: str, world: int) -> dict[int, float]:
+    """Form a gloo group of ``world`` ranks (threads) through ``server`` and all-reduce once."""
     results: dict[int, float] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
             c = SignedStore("127.0.0.1", server.port, SECRET, JOB, timedelta(seconds=30))
-            pg = dist.ProcessGroupGloo(dist.PrefixStore("gen7/", c), r, 3, timedelta(seconds=30))
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, c), r, world, timedelta(seconds=30))
             t = torch.full((4,), float(r + 1))
             pg.allreduce([t]).wait()
             results[r] = t[0].item()
@@ -72,15 +73,53 @@ def test_a_gloo_group_forms_through_it_and_computes(server):
         except BaseException as e:  # surfaced by the assertion below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not errors, errors
-    assert results == {0: 6.0, 1: 6.0, 2: 6.0}
+    return results
+
+
+def test_a_gloo_group_forms_through_it_and_computes(server):
+    assert _gloo_group(server, "gen7/", 3) == {0: 6.0, 1: 6.0, 2: 6.0}
     assert server.delete_prefix("gen7/") > 0
     assert not any(k.startswith("gen7/") for k in server._data.values)
+
+
+def test_with_the_engines_gloo_environment_a_group_reads_few_small_addresses(server, monkeypatch):
+    """Every member reads all the others' addresses: by default one ``get`` each (N^2 reads a
+    group) of values that grow with N; with the environment every group of the engine is made
+    in, batched ``multi_get`` reads of values whose size does not depend on N. Both as
+    ``p2p-bench rendezvous`` emulates them."""
+    from bench.rendezvous_bench import address_bytes, reads_per_member
+    from recovery.comms import GLOO_ENVIRONMENT
+
+    def form(prefix: str, world: int) -> tuple[dict[str, int], set[int]]:
+        before = dict(server.served_ops)
+        total = world * (world + 1) / 2
+        assert _gloo_group(server, prefix, world) == dict.fromkeys(range(world), total)
+        ops = {op: n - before.get(op, 0) for op, n in server.served_ops.items()}
+        sizes = {len(v) for k, v in server._data.values.items() if k.startswith(prefix)}
+        server.delete_prefix(prefix)
+        return ops, sizes
+
+    for name in GLOO_ENVIRONMENT:  # set for good by any group the engine made in this process
+        monkeypatch.delenv(name, raising=False)
+    plain_ops, plain_5 = form("plain5/", 5)
+    assert plain_ops["set"] == 5 and plain_ops["get"] == 5 * 5  # a wait (checks), then a get
+    assert plain_ops["check"] + plain_ops["get"] >= 5 * reads_per_member(5, engine=False)
+    assert plain_5 == {address_bytes(5, engine=False)}  # one pair number per member in each
+    _, plain_8 = form("plain8/", 8)
+    assert plain_8 == {address_bytes(8, engine=False)} and max(plain_8) > max(plain_5)
+    for name, (value, _) in GLOO_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+    ops_5, sizes_5 = form("v2a/", 5)
+    _, sizes_8 = form("v2b/", 8)
+    assert ops_5.get("get", 0) == ops_5.get("check", 0) == 0
+    assert ops_5["multi_get"] >= 5 * reads_per_member(5, engine=True)  # and polls
+    assert sizes_5 == sizes_8 == {address_bytes(5, engine=True)}  # the same at any size
 
 
 _keys = st.sampled_from(["a", "b", "c/d"])
@@ -93,6 +132,9 @@ _ops = st.one_of(
     st.tuples(st.just("check"), _keys),
     st.tuples(st.just("delete_key"), _keys),
     st.tuples(st.just("num_keys")),
+    st.tuples(st.just("append"), _keys, _vals),
+    st.tuples(st.just("multi_set"), st.lists(_keys, max_size=3), st.lists(_vals, max_size=3)),
+    st.tuples(st.just("multi_get"), st.lists(_keys, max_size=3)),
 )
 
 
@@ -106,10 +148,17 @@ def test_same_answers_as_torchs_own_store(server, ops):
     theirs = dist.HashStore()
     try:
         for op, *args in ops:
-            if op != "num_keys":
+            if op in ("multi_set", "multi_get"):
+                args[0] = [prefix + k for k in args[0]]
+                if op == "multi_set":
+                    n = min(len(args[0]), len(args[1]))
+                    args = [args[0][:n], args[1][:n]]
+            elif op != "num_keys":
                 args[0] = prefix + args[0]  # this example's keys only (the server is shared)
             if op == "get" and not theirs.check([args[0]]):
                 continue  # both would block until their timeout
+            if op == "multi_get" and not theirs.check(args[0]):
+                continue
             if op == "check":
                 assert ours.check([args[0]]) == theirs.check([args[0]])
             elif op == "num_keys":
@@ -226,3 +275,66 @@ def test_close_from_another_thread_ends_a_blocked_get(server):
     t.join(30)  # far below the store's own 120 s timeout
     assert not t.is_alive()
     assert outcome and "closed" in str(outcome[0])
+
+
+def test_a_multi_get_waits_for_every_key_and_pages_what_one_reply_cannot_hold(server, client):
+    big = b"x" * (store_mod.MAX_VALUE_BYTES * 3 // 5)  # two do not fit in one reply
+    client.multi_set(["page/a", "page/b"], [big, b"small"])
+    late = threading.Timer(0.2, lambda: client.set("page/c", big))
+    late.start()
+    before = server.served_ops["multi_get"]
+    waiter = SignedStore("127.0.0.1", server.port, SECRET, JOB, timedelta(seconds=10))
+    try:
+        assert waiter.multi_get(["page/a", "page/b", "page/c"]) == [big, b"small", big]
+    finally:
+        late.join()
+        waiter.close()
+    assert server.served_ops["multi_get"] - before >= 2  # the wait's polls and the second page
+    short = SignedStore("127.0.0.1", server.port, SECRET, JOB, timedelta(seconds=0.3))
+    try:
+        with pytest.raises(dist.DistStoreError, match=r"timed out .* 3 keys from 'page/a'"):
+            short.multi_get(["page/a", "page/b", "page/never"])
+    finally:
+        short.close()
+    server.delete_prefix("page/")
+
+
+def test_the_extended_api_keeps_every_bound():
+    with StoreServer(SECRET, JOB, "127.0.0.1", max_total_bytes=4096) as small:
+        c = SignedStore("127.0.0.1", small.port, SECRET, JOB, timedelta(seconds=5))
+        try:
+            c.multi_set(["a", "b"], [b"x" * 1000, b"y" * 1000])
+            with pytest.raises(dist.DistStoreError, match="store is full"):
+                c.multi_set(["c", "d"], [b"1" * 1000, b"2" * 2000])
+            assert not c.check(["c"])  # all or nothing
+            with pytest.raises(ValueError, match="2 keys with 1 values"):
+                c.multi_set(["c", "d"], [b"1"])
+            c.append("a", b"z")
+            assert c.get("a") == b"x" * 1000 + b"z"
+        finally:
+            c.close()
+    with StoreServer(SECRET, JOB, "127.0.0.1") as server:
+        c = SignedStore("127.0.0.1", server.port, SECRET, JOB, timedelta(seconds=5))
+        try:
+            c.set("long", b"x" * store_mod.MAX_VALUE_BYTES)
+            with pytest.raises(dist.DistStoreError, match="longer than a value may be"):
+                c.append("long", b"y")
+        finally:
+            c.close()
+
+
+def test_malformed_extended_requests_get_an_error_reply(server, ctx):
+    sock = _raw(ctx, server.port)
+    for seq, (op, args) in enumerate(
+        [
+            ("multi_set", [["k"], [b"1", b"2"]]),
+            ("multi_set", [["k"], "not a list"]),
+            ("multi_get", ["not a list"]),
+            ("multi_get", [["k"] * (store_mod.MAX_KEYS_PER_REQUEST + 1)]),
+            ("append", ["k", 5]),
+        ],
+        start=1,
+    ):
+        sock.send_multipart(_request(seq, op, args, sid=b"m" * 16))
+        reply = _answered(sock)
+        assert reply is not None and reply["error"], (op, args)
