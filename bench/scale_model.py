@@ -143,6 +143,43 @@ def control_plane_inputs(measured: dict[str, Any], n: int) -> Inputs:
     return out
 
 
+#: Members whose addresses one ``multi_get`` of a gloo rendezvous reads
+#: (:data:`recovery.comms.GLOO_ENVIRONMENT`; :mod:`bench.rendezvous_bench`).
+GLOO_BATCH = 128
+
+
+def rendezvous_inputs(measured: dict[str, Any], n: int) -> Inputs:
+    """What forming a generation's gloo groups costs the rendezvous store at ``n`` ranks: the
+    store's CPU time per request, measured by ``p2p-bench rendezvous`` (the engine's way), and
+    how many gloo groups a generation forms."""
+    rz = measured["rendezvous"]
+    src = f"{rz['command']} ({rz['date']})"
+    pts = {int(s["members"]): s["store_cpu_s"] / s["requests"] for s in rz["sizes"]}
+    value, how = series(pts, n)
+    return {
+        "store_request_s": Input(
+            value, "s", "measured", f"{src}: store CPU per request, {how}", value * 0.5, value * 2
+        ),
+        "gloo_groups": Input(
+            3,
+            "groups",
+            "cited",
+            "recovery/comms.py, recovery/replication.py: the default group's gloo part "
+            "(cpu:gloo,cuda:nccl), replication's headers and commits beside NCCL, the cold "
+            "checkpoint's group; 2 with init_process_group(backend='nccl')",
+            2,
+            3,
+        ),
+    }
+
+
+def gloo_rendezvous_s(inp: Inputs, n: int) -> float:
+    """Seconds of the store thread for a generation's gloo groups at ``n`` ranks: per group,
+    every member writes its address and reads all of them, one request per 128 members."""
+    per_group = n * (1 + math.ceil(n / GLOO_BATCH)) * inp.get("store_request_s", _zero).value
+    return inp.get("gloo_groups", _zero).value * per_group
+
+
 def job_inputs(
     *,
     params: float,
@@ -259,7 +296,8 @@ def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[
         "detect": inp["hang_detect_s" if node_fault else "exit_detect_s"].value,
         "interrupt": gen + inp["nccl_abort_s"].value,
         "communicators": inp["nccl_connect_s"].value
-        + inp["nccl_lazy_init_s_per_1k_ranks"].value * n / 1024,
+        + inp["nccl_lazy_init_s_per_1k_ranks"].value * n / 1024
+        + gloo_rendezvous_s(inp, n),
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s / (inp["hbm_gbps"].value * GB),
         "transfer": s * streams / bw,
@@ -402,7 +440,8 @@ def resize_phases(
     gen = inp["generation_s"].value
     return {
         "communicators": inp["nccl_connect_s"].value
-        + inp["nccl_lazy_init_s_per_1k_ranks"].value * to_gpus / 1024,
+        + inp["nccl_lazy_init_s_per_1k_ranks"].value * to_gpus / 1024
+        + gloo_rendezvous_s(inp, to_gpus),
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s_new / (inp["hbm_gbps"].value * GB),
         "transfer": resize_transfer_s(inp, job, to_gpus, nodes=nodes, leaving=leaving),

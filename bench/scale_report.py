@@ -105,6 +105,7 @@ def scale_inputs(args: argparse.Namespace, measured: dict[str, Any]) -> Inputs:
         step_s=args.step_s,
     )
     inp.update(sm.control_plane_inputs(measured, args.gpus))
+    inp.update(sm.rendezvous_inputs(measured, args.gpus))
     rec = measured["recover"]
     src = f"{rec['command']} ({rec['date']}); CPU-side code, same at any scale"
     plan = max(0.0, rec["phases_s"]["plan"] - measured["control_plane_small_generation_s"])
@@ -410,6 +411,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> ScaleRep
     for n in SIZES:
         ni = dict(inp)
         ni.update(sm.control_plane_inputs(measured, n))
+        ni.update(sm.rendezvous_inputs(measured, n))
         nj = Job(**{**k1.__dict__, "gpus": n})
         sizes.append(
             ScaleSize(

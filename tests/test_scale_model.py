@@ -56,6 +56,29 @@ def test_a_node_fault_waits_for_the_heartbeat_timeout():
     assert sm.recovery_phases(inp, Job())["detect"] == 0.05
 
 
+def test_gloo_groups_cost_the_store_a_request_per_128_members_each():
+    inp = _inputs()
+    without = sm.recovery_phases(inp, Job(gpus=2048))["communicators"]
+    inp.update(sm.rendezvous_inputs(sm.load("measured"), 2048))
+    inp = sm.with_value(sm.with_value(inp, "store_request_s", 1e-4), "gloo_groups", 3)
+    # 2,048 members each write one address and read 2,048 in 16 requests, three groups.
+    assert sm.gloo_rendezvous_s(inp, 2048) == pytest.approx(3 * 2048 * 17 * 1e-4)
+    added = sm.recovery_phases(inp, Job(gpus=2048))["communicators"] - without
+    assert added == pytest.approx(3 * 2048 * 17 * 1e-4)
+    grown = sm.resize_phases(inp, Job(gpus=2048), 2056)["communicators"]
+    assert grown - sm.gloo_rendezvous_s(inp, 2056) == pytest.approx(without, rel=0.01)
+    # Quadratic in ranks: eight times the ranks, about 64 times the store's work.
+    assert sm.gloo_rendezvous_s(inp, 16384) / sm.gloo_rendezvous_s(inp, 2048) > 60
+
+
+def test_the_store_cost_per_request_is_the_rendezvous_bench_s():
+    measured = sm.load("measured")
+    largest = max(measured["rendezvous"]["sizes"], key=lambda s: s["members"])
+    got = sm.rendezvous_inputs(measured, largest["members"])["store_request_s"]
+    assert got.label == "measured" and "p2p-bench rendezvous" in got.source
+    assert got.value == pytest.approx(largest["store_cpu_s"] / largest["requests"])
+
+
 def test_input_needs_a_known_label_and_a_source():
     with pytest.raises(ValueError):
         Input(1.0, "s", "guessed", "somewhere")
