@@ -43,9 +43,8 @@ from typing import Any
 from bench.bench_reports import HostInfo, RendezvousPattern, RendezvousReport, RendezvousSize
 from bench.control_plane_bench import process_cpu_s
 from bench.fault_runs import UsageError
+from bench.scale_model import GLOO_BATCH
 
-#: Keys gloo reads with one ``multi_get`` (``kDefaultBatchSize`` of its TCP context).
-GLOO_BATCH = 128
 #: Bytes of a gloo TCP address: a ``sockaddr_storage`` and a sequence number.
 GLOO_SOCKADDR_BYTES = 136
 _JOB = "rendezvous-bench"

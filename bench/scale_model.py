@@ -143,8 +143,9 @@ def control_plane_inputs(measured: dict[str, Any], n: int) -> Inputs:
     return out
 
 
-#: Members whose addresses one ``multi_get`` of a gloo rendezvous reads
-#: (:data:`recovery.comms.GLOO_ENVIRONMENT`; :mod:`bench.rendezvous_bench`).
+#: Members whose addresses one ``multi_get`` of a gloo rendezvous reads (``kDefaultBatchSize``
+#: of gloo's TCP context, with :data:`recovery.comms.GLOO_ENVIRONMENT`; used by
+#: :mod:`bench.rendezvous_bench` too).
 GLOO_BATCH = 128
 
 
