@@ -133,8 +133,8 @@ class CommsSpec:
     timeout_s: float
     """Collective timeout of every group (a last resort: faults are normally interrupts)."""
     join_timeout_s: float = 60.0
-    """Deadline for forming a group. Gloo keeps retrying to connect to a member that died
-    after it published its address, and that retry cannot be interrupted: this bounds it. It
+    """Deadline for forming a group. Waiting for a member that died after it published its
+    address cannot be interrupted; the deadline bounds it (see :func:`creation_timeout`). It
     must be shorter than the coordinator's acknowledgement deadline, so a member stuck in a
     dead generation gets out in time to join the next one."""
     ignore_peers: tuple[tuple[str, int], ...] = ()
@@ -208,10 +208,10 @@ class Comms:
         """
         pg = self.groups.get(name)
         if pg is None:
-            join = timedelta(seconds=self.spec.join_timeout_s)
+            timeout = creation_timeout(backend, self.spec.join_timeout_s)
             options = _side_group_options(backend, self.spec.side_group_max_ctas)
             pg = self._track(
-                lambda: dist.new_group(backend=backend, timeout=join, pg_options=options)
+                lambda: dist.new_group(backend=backend, timeout=timeout, pg_options=options)
             )
             pg.set_timeout(timedelta(seconds=self.spec.timeout_s))
             self.groups[name] = pg
@@ -389,13 +389,14 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     comms = Comms(spec)
     register(comms)
     join = timedelta(seconds=spec.join_timeout_s)
+    timeout = creation_timeout(spec.backend, spec.join_timeout_s)
     t0 = time.perf_counter()
     try:
         base = comms._track(lambda: _connect_store(spec, join))
         comms.base_store = base
         store = comms.store = PrefixStore(spec.store_prefix, base)
         comms.default = comms._track(
-            lambda: _init_default(store, spec.backend, spec.rank, spec.world_size, join)
+            lambda: _init_default(store, spec.backend, spec.rank, spec.world_size, timeout)
         )
         comms.default.set_timeout(timedelta(seconds=spec.timeout_s))
     except Exception as e:
@@ -414,6 +415,34 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
         (time.perf_counter() - t0) * 1e3,
     )
     return comms
+
+
+#: How many times its group's timeout gloo waits for a member to connect to it
+#: (``Pair::waitUntil`` in gloo/transport/tcp/pair.h: "a longer timeout when waiting for initial
+#: connect"). Of the two members of a pair, the one with the higher address connects and the
+#: other waits.
+GLOO_CONNECT_WAIT_FACTOR = 5
+
+
+def creation_timeout(backend: str, join_timeout_s: float) -> timedelta:
+    """The timeout a group of ``backend`` is created with (its collectives get theirs after).
+
+    A member that published its address and then left the rendezvous (it died, or its
+    generation was superseded while it still read the store) never connects, and a peer that
+    waits for it to connect waits in gloo, which nothing interrupts, for
+    :data:`GLOO_CONNECT_WAIT_FACTOR` times the group's timeout. Created with the join deadline,
+    that peer would leave a dead generation five join deadlines late, long after the next one
+    gave up waiting for it (the coordinator then replaces it as a member that never arrived).
+    Gloo groups are therefore created with a timeout that ends that wait within half the join
+    deadline: out of the dead generation by then, the member still has the other half to reach
+    the next one, whose members wait a whole join deadline for it. Connecting to a member that
+    is gone fails at once (the connection is refused), so the shorter timeout costs nothing
+    there. The rendezvous store's waits keep the whole join deadline (the store client has its
+    own timeout), and so do groups without gloo.
+    """
+    if "gloo" not in backend:
+        return timedelta(seconds=join_timeout_s)
+    return timedelta(seconds=join_timeout_s / (2 * GLOO_CONNECT_WAIT_FACTOR))
 
 
 def _connect_store(spec: CommsSpec, timeout: timedelta) -> Store:
