@@ -205,14 +205,25 @@ class Comms:
         """The generation's group called ``name`` over all its ranks, created on first use.
 
         Creation is collective: every member must ask for the same groups in the same order.
+
+        Raises:
+            Interrupted: the comms were aborted before or during the creation.
         """
         pg = self.groups.get(name)
         if pg is None:
             timeout = creation_timeout(backend, self.spec.join_timeout_s)
             options = _side_group_options(backend, self.spec.side_group_max_ctas)
-            pg = self._track(
-                lambda: dist.new_group(backend=backend, timeout=timeout, pg_options=options)
-            )
+            try:
+                pg = self._track(
+                    lambda: dist.new_group(backend=backend, timeout=timeout, pg_options=options)
+                )
+            except Exception as e:
+                if self._aborted and not isinstance(e, Interrupted):
+                    raise Interrupted(
+                        f"generation {self.generation} ended while its {name} group was being "
+                        "formed"
+                    ) from e
+                raise
             pg.set_timeout(timedelta(seconds=self.spec.timeout_s))
             self.groups[name] = pg
         return pg

@@ -113,6 +113,29 @@ def test_comms_abort_aborts_every_nccl_group_with_the_default(monkeypatch) -> No
     assert log.count("abort default") == 1
 
 
+def test_a_group_whose_creation_the_abort_broke_is_an_interruption(monkeypatch) -> None:
+    comms = Comms(_spec())
+
+    def new_group(**kwargs):  # the abort closes the store a member is reading
+        comms.abort()
+        raise dist.DistStoreError("the rendezvous store client was closed")
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    with pytest.raises(comms_mod.Interrupted, match="its replication group was being formed"):
+        comms.group("replication", "gloo")
+    with pytest.raises(comms_mod.Interrupted, match="before its groups were made"):
+        comms.group("checkpoint", "gloo")
+
+
+def test_a_group_that_fails_to_form_unaborted_keeps_its_error(monkeypatch) -> None:
+    def new_group(**kwargs):
+        raise dist.DistStoreError("timed out after 5s waiting for 4 keys")
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        Comms(_spec()).group("replication", "gloo")
+
+
 def test_an_abort_after_destroy_does_not_wait() -> None:
     comms = Comms(_spec())
     comms.destroy()
