@@ -806,6 +806,17 @@ class Coordinator:
         for action in actions:
             if isinstance(action, Event):
                 self.events.write(action.name, **action.fields)
+                if action.name == "slow_formation":
+                    f = action.fields
+                    logger.warning(
+                        "generation %d took %.1fs to form, more than a quarter of --ack-timeout "
+                        "(%.0fs): a recovery at this size may miss its deadline and have healthy "
+                        "members replaced; use --ack-timeout %d or more",
+                        f["generation"],
+                        f["formed_s"],
+                        f["ack_timeout_s"],
+                        f["advised_ack_timeout_s"],
+                    )
             elif isinstance(action, SendGeneration):
                 self._mirror(force=True)  # the standbys know a generation before any member
                 self._broadcast(action.generation, action.to)

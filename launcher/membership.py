@@ -20,6 +20,7 @@ members finish their step and switch at the next commit of replication, so no st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +159,13 @@ class MembershipConfig:
         )
 
 
+#: The share of ``ack_timeout_s`` a generation may take to form before the coordinator warns.
+#: Each group must form within half of the deadline (the members' join deadline), and a member
+#: that has read every address may wait up to half of that again, uninterrupted, for a peer
+#: still reading the store (``recovery.comms.creation_timeout``): a generation whose groups
+#: already take a quarter of it leaves no margin for a recovery's own delays.
+FORMATION_SHARE = 0.25
+
 #: The end code of a job whose nodes did not all join within ``join_timeout_s``.
 JOIN_FAILED = 3
 
@@ -189,6 +197,8 @@ class Membership:
         self.arrived: set[str] = set()
         """Members of the pending generation that left their old groups and are forming it."""
         self.ack_deadline = 0.0
+        self.pending_t = 0.0
+        """When the pending generation started."""
         self.vacant: dict[int, str] = {}
         """Lost ranks not replaced yet -> the identity they had."""
         self.vacant_since: dict[int, float] = {}
@@ -357,7 +367,20 @@ class Membership:
         if not self.awaiting:  # O(1) per ack: 2,048 acks must not cost 2,048^2 set operations
             g = self.pending
             self.pending = None
-            return [Event("generation_complete", {"generation": g.generation})]
+            formed_s = round(now - self.pending_t, 3)
+            out: list[Decision] = [
+                Event("generation_complete", {"generation": g.generation, "formed_s": formed_s})
+            ]
+            limit_s = self.config.ack_timeout_s * FORMATION_SHARE
+            if not g.graceful and formed_s > limit_s:
+                fields = {
+                    "generation": g.generation,
+                    "formed_s": formed_s,
+                    "ack_timeout_s": self.config.ack_timeout_s,
+                    "advised_ack_timeout_s": math.ceil(formed_s / FORMATION_SHARE),
+                }
+                out.append(Event("slow_formation", fields))
+            return out
         return []
 
     def arrive(self, identity: str, generation: int) -> list[Decision]:
@@ -779,6 +802,7 @@ class Membership:
         self.awaiting = set(gen.ranks.values())
         self.arrived = set()
         self.ack_deadline = now + self.config.ack_timeout_s
+        self.pending_t = now
         self.notified.clear()
         self.switching.clear()
         self.refill_gate = self.committed_step

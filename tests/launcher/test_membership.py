@@ -55,6 +55,17 @@ def test_first_generation_starts_when_every_rank_joined():
     assert "generation_complete" in names(ack_all(m))
 
 
+def test_a_generation_that_takes_a_quarter_of_the_ack_deadline_to_form_is_reported():
+    m, _ = job(spares=1, ack_timeout_s=10.0)
+    (done,) = [a for a in ack_all(m, 0.5) if isinstance(a, Event)]
+    assert done == Event("generation_complete", {"generation": 1, "formed_s": 0.5})
+    m.exited("rank/1", -9, 10.0)
+    slow = [a.fields for a in ack_all(m, 13.0) if a.name == "slow_formation"]
+    assert slow == [
+        {"generation": 2, "formed_s": 3.0, "ack_timeout_s": 10.0, "advised_ack_timeout_s": 12}
+    ]
+
+
 def test_a_crash_hands_the_rank_to_a_spare_in_one_message():
     m, _ = job(spares=1)
     ack_all(m)

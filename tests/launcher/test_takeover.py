@@ -382,3 +382,17 @@ def test_a_coordinator_that_stalled_does_not_blame_the_nodes_it_could_not_hear(c
     (stalled,) = [e for e in events if e["event"] == "stalled"]
     assert stalled["seconds"] >= 5.0
     assert "agent/1" in m.procs
+
+
+def test_a_slow_formation_is_logged_and_warned_of_with_the_deadline_to_use(coordinator, caplog):
+    from launcher.decisions import Event
+    from launcher.events import read_events
+
+    fields = {"generation": 2, "formed_s": 3.0, "ack_timeout_s": 10.0, "advised_ack_timeout_s": 12}
+    coordinator._apply([Event("slow_formation", fields)])
+    assert "generation 2 took 3.0s to form" in caplog.text
+    assert "use --ack-timeout 12 or more" in caplog.text
+    (logged,) = [
+        e for e in read_events(coordinator.config.run_dir) if e["event"] == "slow_formation"
+    ]
+    assert logged["advised_ack_timeout_s"] == 12
