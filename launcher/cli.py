@@ -130,6 +130,13 @@ class RunOptions:
         flag="--resume",
         help="start from the latest complete checkpoint under --checkpoint-dir",
     )
+    lazy_gloo: bool = setting(
+        False,
+        flag="--lazy-gloo",
+        help="gloo groups connect a pair of ranks the first time it is used, not every pair "
+        "when made: for jobs of thousands of ranks; new pairs need the coordinator's store "
+        "(see docs/launcher.md)",
+    )
     secret_file: str | None = setting(
         None,
         flag="--secret-file",
@@ -170,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "graceful_timeout_s",
     )
     add_flags(p, RunOptions, "checkpoint_dir", "checkpoint_every", "resume", "secret_file")
+    add_flags(p, RunOptions, "lazy_gloo")
     add_flags(p, CoordinatorConfig, "env_store")
     add_flags(p, RunOptions, "module")
     p.add_argument("script", nargs="?", help="training script (or module with -m)")
@@ -423,6 +431,8 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str]:
         env[protocol.ENV_CHECKPOINT_EVERY] = str(args.checkpoint_every)
     if args.resume:
         env[protocol.ENV_RESUME] = "1"
+    if args.lazy_gloo:
+        env[protocol.ENV_LAZY_GLOO] = "1"
     return env
 
 

@@ -85,6 +85,8 @@ ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"
 """Steps between cold checkpoints (``--checkpoint-every``)."""
 ENV_RESUME = "P2P_RESUME"
 """``1``: start from the latest complete checkpoint (``--resume``)."""
+ENV_LAZY_GLOO = "P2P_LAZY_GLOO"
+"""``1``: gloo groups connect a pair on first use (``--lazy-gloo``, :mod:`recovery.gloo_pairs`)."""
 ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
 """Hooks attached to every protected job of the process: comma-separated ``module:function``
 names (:mod:`recovery.hooks`)."""

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +47,12 @@ class SignedStore(Store):
         secret: The job's secret.
         job_id: The job's id.
         timeout: Deadline of every blocking call (and of every single reply).
+
+    Attributes:
+        observer: Called as ``observer(key, value, written=...)`` with every value this client
+            writes (``set``) or reads (``get``, ``multi_get``): how the groups made over this
+            store learn their members' addresses (:class:`recovery.gloo_pairs.GlooPairs`).
+            It must not raise.
     """
 
     def __init__(
@@ -66,6 +73,7 @@ class SignedStore(Store):
         self._address = f"{host}:{port}"
         self.closed = False
         self._closing = threading.Event()
+        self.observer: Callable[..., None] | None = None
 
     # -- the wire ------------------------------------------------------------------------------
 
@@ -143,10 +151,15 @@ class SignedStore(Store):
     # -- torch.distributed.Store ---------------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
-        self._call("set", key, _as_bytes(value))
+        data = _as_bytes(value)
+        self._call("set", key, data)
+        if self.observer is not None:
+            self.observer(key, data, written=True)
 
     def get(self, key: str) -> bytes:
         value: bytes = self._poll_until(f"key {key!r}", lambda: self._call("get", key))
+        if self.observer is not None:
+            self.observer(key, value, written=False)
         return value
 
     def add(self, key: str, amount: int) -> int:
@@ -189,6 +202,9 @@ class SignedStore(Store):
             rest = keys[len(values) :]
             what = f"{len(rest)} keys from {rest[0]!r}"
             values += self._poll_until(what, lambda rest=rest: self._call("multi_get", rest))
+        if self.observer is not None:
+            for key, value in zip(keys, values, strict=True):
+                self.observer(key, value, written=False)
         return values
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:

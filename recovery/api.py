@@ -46,6 +46,7 @@ from launcher.protocol import (
     ENV_CHECKPOINT_DIR,
     ENV_CHECKPOINT_EVERY,
     ENV_COORDINATOR,
+    ENV_LAZY_GLOO,
     ENV_REPLICAS,
     ENV_RESUME,
 )
@@ -111,7 +112,13 @@ def init_process_group(
     if client_config is not None and client_config.role == "spare" and warmup is not None:
         seconds = warm_up(warmup, backend or default_backend(device_type), warmup_step)
         logger.info("spare warmed up in %.2f s", seconds)
-    session = Session(client_config, timeout_s=timeout_s, device_type=device_type, backend=backend)
+    session = Session(
+        client_config,
+        timeout_s=timeout_s,
+        device_type=device_type,
+        backend=backend,
+        lazy_gloo=os.environ.get(ENV_LAZY_GLOO) == "1",
+    )
     atexit.register(session.close)
     if client_config is None:
         session.start_standalone()

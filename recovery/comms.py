@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from recovery.gloo_pairs import ENV_GLOO_LAZY_INIT, GlooPairs, lazy_pairs_work
 from recovery.sockets import shutdown_socket, tcp_sockets
 
 if TYPE_CHECKING:
@@ -139,6 +140,13 @@ class CommsSpec:
     dead generation gets out in time to join the next one."""
     ignore_peers: tuple[tuple[str, int], ...] = ()
     """Peer addresses never treated as a group's socket (the coordinator's control socket)."""
+    lazy_gloo: bool = False
+    """Gloo groups connect a pair of members the first time an operation uses it, not every
+    pair when made (:mod:`recovery.gloo_pairs`): forming a group then costs the store one
+    write a member instead of N reads, but a pair first used later needs the store then. Needs
+    the authenticated store (its client tells which addresses gloo reads); without it, or
+    where this gloo's addresses are not the ones understood, groups connect every pair when
+    made."""
     side_group_max_ctas: int = 8
     """CTA limit (``NCCLConfig.max_ctas``) of every NCCL group made after the default one (the
     replication group): its sends run while FSDP's kernels do, and with no limit they would
@@ -162,6 +170,8 @@ class Comms:
     """The connection ``store`` prefixes (closed by :meth:`abort` and :meth:`destroy`)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     """Further groups of this generation by name (:meth:`group`)."""
+    pairs: GlooPairs | None = None
+    """The pairs of this generation's gloo groups, where they connect on first use."""
     _sockets: dict[int, int] = field(default_factory=dict)  # fd -> inode
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _aborted: bool = False
@@ -184,7 +194,7 @@ class Comms:
             raise Interrupted(f"generation {self.generation} ended before its groups were made")
         ignore = set(self.spec.ignore_peers)
         with _CREATE_LOCK:
-            _set_group_environment()
+            _set_group_environment(lazy_gloo=self.pairs is not None)
             before = tcp_sockets()
             try:
                 return create()
@@ -192,7 +202,7 @@ class Comms:
                 after = tcp_sockets()
                 new = {
                     fd: ino
-                    for fd, (ino, peer) in after.items()
+                    for fd, (ino, peer, _) in after.items()
                     if before.get(fd, (None,))[0] != ino and tuple(peer[:2]) not in ignore
                 }
                 with self._lock:
@@ -211,12 +221,14 @@ class Comms:
         """
         pg = self.groups.get(name)
         if pg is None:
-            timeout = creation_timeout(backend, self.spec.join_timeout_s)
+            t0 = time.monotonic()
+            timeout = self._creation_timeout(backend)
             options = _side_group_options(backend, self.spec.side_group_max_ctas)
             try:
                 pg = self._track(
                     lambda: dist.new_group(backend=backend, timeout=timeout, pg_options=options)
                 )
+                self._connect_first(pg, name, backend, t0)
             except Exception as e:
                 if self._aborted and not isinstance(e, Interrupted):
                     raise Interrupted(
@@ -227,6 +239,38 @@ class Comms:
             pg.set_timeout(timedelta(seconds=self.spec.timeout_s))
             self.groups[name] = pg
         return pg
+
+    def _creation_timeout(self, backend: str) -> timedelta:
+        """The timeout this generation's group of ``backend`` is created with."""
+        if "gloo" in backend and self.pairs is not None:
+            # Its pairs connect on first use, at any time in the generation: a member that
+            # comes to an operation first waits for the peer as for any collective. An abort
+            # releases that wait (:meth:`GlooPairs.release`); forming is bounded by
+            # :meth:`_connect_first`.
+            return timedelta(seconds=self.spec.timeout_s)
+        return creation_timeout(backend, self.spec.join_timeout_s)
+
+    def _connect_first(self, pg: Any, name: str, backend: str, t0: float) -> None:
+        """Connect a lazy gloo group's ring pairs (those of its all-reduces, all-gathers and
+        reduce-scatters) now, within the join deadline, so that forming them counts in the
+        ``communicators`` phase and a member that is missing is found while forming.
+
+        Raises:
+            RuntimeError: not every member connected within the join deadline.
+        """
+        if "gloo" not in backend or self.pairs is None:
+            return
+        left_s = self.spec.join_timeout_s - (time.monotonic() - t0)
+        work = dist.all_reduce(torch.zeros(1), group=pg, async_op=True)
+        try:
+            work.wait(timeout=timedelta(seconds=max(left_s, 0.001)))
+        except Exception as e:
+            if not self._aborted:
+                self.pairs.release()  # the wait goes on in gloo: end it
+            raise RuntimeError(
+                f"generation {self.generation}: the {name} group did not connect within the "
+                f"join deadline ({self.spec.join_timeout_s:.0f}s; a member is missing): {e}"
+            ) from e
 
     def abort(self) -> None:
         """Make every collective in flight on these groups fail now. Thread-safe, idempotent.
@@ -252,8 +296,12 @@ class Comms:
             nccl = [pg for pg in (*self.groups.values(), self.default) if pg and _has_nccl(pg)]
             if nccl:
                 abort_together(nccl, self.generation)
+            # Closed first: a gloo pair that would connect after this reads its peer's address
+            # from the store, and now fails instead (a member blocked in the rendezvous returns).
+            self._close_store()
             n = self._shutdown_all()
-            self._close_store()  # a member blocked in the rendezvous returns now
+            if self.pairs is not None:
+                n += self.pairs.release()
         finally:
             self._abort_done.set()
         logger.info("generation %d: aborted its groups (%d sockets shut down)", self.generation, n)
@@ -285,6 +333,8 @@ class Comms:
                 return
             self._destroyed = True
             self._sockets.clear()
+        if self.pairs is not None:  # before the groups' ports can be reused
+            self.pairs.destroyed()
         for pg in self.groups.values():
             try:
                 dist.destroy_process_group(pg)
@@ -374,9 +424,11 @@ def _side_group_options(backend: str, max_ctas: int) -> Any:
     return options
 
 
-def _set_group_environment() -> None:
+def _set_group_environment(*, lazy_gloo: bool) -> None:
     """Give the group about to be created the NCCL environment the engine's abort requires and
-    the gloo environment that keeps its rendezvous small."""
+    the gloo environment that keeps its rendezvous small; its gloo pairs connect on first use
+    when ``lazy_gloo``."""
+    os.environ[ENV_GLOO_LAZY_INIT] = "1" if lazy_gloo else "0"
     for name, (value, why) in GROUP_ENVIRONMENT.items():
         previous = os.environ.get(name)
         if previous not in (None, value):
@@ -400,16 +452,23 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     comms = Comms(spec)
     register(comms)
     join = timedelta(seconds=spec.join_timeout_s)
-    timeout = creation_timeout(spec.backend, spec.join_timeout_s)
     t0 = time.perf_counter()
+    t0_monotonic = time.monotonic()
     try:
         base = comms._track(lambda: _connect_store(spec, join))
         comms.base_store = base
+        with _CREATE_LOCK:  # checks this gloo once, with its environment
+            lazy = spec.lazy_gloo and hasattr(base, "observer") and lazy_pairs_work()
+        if lazy:
+            comms.pairs = GlooPairs(spec.rank)
+            base.observer = comms.pairs.saw
         store = comms.store = PrefixStore(spec.store_prefix, base)
+        timeout = comms._creation_timeout(spec.backend)
         comms.default = comms._track(
             lambda: _init_default(store, spec.backend, spec.rank, spec.world_size, timeout)
         )
         comms.default.set_timeout(timedelta(seconds=spec.timeout_s))
+        comms._connect_first(comms.default, "default", spec.backend, t0_monotonic)
     except Exception as e:
         if comms.aborted:
             comms.destroy()
@@ -419,10 +478,11 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
         comms.destroy()
         raise
     logger.info(
-        "rank %d joined generation %d (%d ranks) in %.0f ms",
+        "rank %d joined generation %d (%d ranks%s) in %.0f ms",
         spec.rank,
         spec.generation,
         spec.world_size,
+        ", gloo pairs connect on first use" if comms.pairs is not None else "",
         (time.perf_counter() - t0) * 1e3,
     )
     return comms

@@ -146,7 +146,12 @@ class RecoveryLog:
         rec.source, rec.step = source, step
         self.records.append(rec)
         self._first_step_pending = rec
-        self._session.event("recovery_done", **rec.done_event(rank, info.world_size))
+        comms = self._session.comms
+        self._session.event(
+            "recovery_done",
+            **rec.done_event(rank, info.world_size),
+            lazy_gloo=comms is not None and comms.pairs is not None,
+        )
         logger.warning("%s", rec.summary(rank))
 
     def step_done(self, step: int, rank: int) -> None:

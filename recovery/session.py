@@ -72,6 +72,7 @@ class Session:
         timeout_s: Collective timeout of every group (a last resort; faults interrupt).
         device_type: ``cuda`` or ``cpu``: which backends the groups use.
         backend: The default group's backend (default :func:`default_backend`).
+        lazy_gloo: Gloo groups connect a pair on first use (:attr:`CommsSpec.lazy_gloo`).
     """
 
     def __init__(
@@ -81,8 +82,10 @@ class Session:
         timeout_s: float,
         device_type: str,
         backend: str | None = None,
+        lazy_gloo: bool = False,
     ) -> None:
         self.timeout_s = timeout_s
+        self.lazy_gloo = lazy_gloo
         self.device_type = device_type
         self.backend = backend or default_backend(device_type)
         self.comms: Comms | None = None
@@ -290,6 +293,7 @@ class Session:
             if info.graceful
             else min(self.timeout_s, info.ack_timeout_s / 2),
             ignore_peers=tuple(_address(a) for a in self.client.config.coordinators),
+            lazy_gloo=self.lazy_gloo,
         )
         comms = create_comms(spec, self._register)
         with self._cond:

@@ -10,12 +10,27 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 
 def tcp_sockets() -> dict[int, tuple[Any, ...]]:
-    """Connected TCP sockets of this process: fd -> (inode, peer address)."""
-    out: dict[int, tuple[Any, ...]] = {}
+    """Connected TCP sockets of this process: fd -> (inode, peer address, local address)."""
+    return {
+        fd: (inode, peer, local)
+        for fd, inode, local, peer in _tcp(listening=False)
+        if peer is not None
+    }
+
+
+def tcp_listeners() -> dict[int, tuple[Any, ...]]:
+    """Listening TCP sockets of this process: fd -> (inode, local address)."""
+    return {fd: (inode, local) for fd, inode, local, _ in _tcp(listening=True)}
+
+
+def _tcp(*, listening: bool) -> Iterator[tuple[int, int, Any, Any]]:
+    """This process's TCP sockets that listen (or do not): fd, inode, local and peer address
+    (``None`` where not connected)."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
@@ -33,14 +48,18 @@ def tcp_sockets() -> dict[int, tuple[Any, ...]]:
                 continue
             if sock.type != socket.SOCK_STREAM:
                 continue
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)) != listening:
                 continue
-            out[fd] = (st.st_ino, sock.getpeername())
+            local = sock.getsockname()
+            try:
+                peer = None if listening else sock.getpeername()
+            except OSError:
+                peer = None  # not connected (yet)
         except OSError:
-            continue  # not connected (yet)
+            continue
         finally:
             sock.detach()
-    return out
+        yield fd, st.st_ino, local, peer
 
 
 def shutdown_socket(fd: int, inode: int) -> bool:
