@@ -176,6 +176,8 @@ class ControlClient:
             ``wait_s``.
         on_coordinators_lost: Called from the background thread when the node's agent says no
             coordinator is left (``addresses``, ``silent_s``).
+        on_store_moved: Called from the background thread with ``(host, port)`` of the
+            rendezvous store when a standby that took over serves a new one.
     """
 
     def __init__(
@@ -186,8 +188,10 @@ class ControlClient:
         on_shutdown: Callable[[dict[str, Any]], None] | None = None,
         on_interrupt: Callable[[dict[str, Any]], None] | None = None,
         on_coordinators_lost: Callable[[dict[str, Any]], None] | None = None,
+        on_store_moved: Callable[[str, int], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_store_moved = on_store_moved
         self.rank = rank
         self._on_generation = on_generation
         self._on_shutdown = on_shutdown
@@ -514,6 +518,8 @@ class ControlClient:
                 self.store_host = links.active.rsplit(":", 1)[0]
                 self.store_port = int(msg.body["store_port"])
                 self.events.write("coordinator_takeover", coordinator=msg.sender, term=msg.term)
+                if self._on_store_moved is not None:
+                    self._on_store_moved(self.store_host, self.store_port)
             elif msg.type in (protocol.GENERATION, protocol.SHUTDOWN, protocol.INTERRUPT):
                 self.inbox.put((msg.type, msg.body))
                 callback = {

@@ -74,6 +74,8 @@ class SignedStore(Store):
         self.closed = False
         self._closing = threading.Event()
         self.observer: Callable[..., None] | None = None
+        self._written: dict[str, bytes] = {}  # what this client wrote, for a store that moves
+        self._moved_to: tuple[str, int] | None = None
 
     # -- the wire ------------------------------------------------------------------------------
 
@@ -81,41 +83,80 @@ class SignedStore(Store):
         with self._lock:
             if self._closing.is_set():
                 raise dist.DistStoreError("the rendezvous store client is closed")
-            self._seq += 1
-            request = {
-                "v": STORE_VERSION,
-                "job": self._job_id,
-                "sid": self._sid,
-                "seq": self._seq,
-                "ts": time.time_ns(),
-                "op": op,
-                "args": list(args),
-            }
-            self._sock.send_multipart(_sign(self._key, msgpack.packb(request, use_bin_type=True)))
-            deadline = time.monotonic() + self._timeout.total_seconds()
-            while True:
-                left_ms = int((deadline - time.monotonic()) * 1e3)
-                if left_ms <= 0:
-                    raise dist.DistStoreError(
-                        f"no answer from the rendezvous store at {self._address} within "
-                        f"{self._timeout.total_seconds():.0f}s (operation {op})"
-                    )
-                # Short slices, so close() from another thread ends a wait promptly.
-                if not self._sock.poll(min(left_ms, _SLICE_MS)):
-                    if self._closing.is_set():
-                        raise dist.DistStoreError("the rendezvous store client was closed")
-                    continue
-                frames = self._sock.recv_multipart()
-                try:
-                    reply = _verify(self._key, frames, MAX_REQUEST_BYTES)
-                except StoreRejected as e:
-                    logger.warning("dropped a reply from the rendezvous store: %s", e)
-                    continue
-                if reply.get("sid") != self._sid or reply.get("seq") != self._seq:
-                    continue  # not the answer to this request (a late one, or a replay)
-                if reply.get("error") is not None:
-                    raise dist.DistStoreError(f"rendezvous store refused {op}: {reply['error']}")
-                return reply.get("result")
+            self._move_if_asked()
+            return self._roundtrip(op, list(args))
+
+    def _roundtrip(self, op: str, args: list[Any]) -> Any:
+        """One request and its reply (``_lock`` held)."""
+        self._seq += 1
+        request = {
+            "v": STORE_VERSION,
+            "job": self._job_id,
+            "sid": self._sid,
+            "seq": self._seq,
+            "ts": time.time_ns(),
+            "op": op,
+            "args": args,
+        }
+        self._sock.send_multipart(_sign(self._key, msgpack.packb(request, use_bin_type=True)))
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1e3)
+            if left_ms <= 0:
+                raise dist.DistStoreError(
+                    f"no answer from the rendezvous store at {self._address} within "
+                    f"{self._timeout.total_seconds():.0f}s (operation {op})"
+                )
+            # Short slices, so close() from another thread ends a wait promptly.
+            if not self._sock.poll(min(left_ms, _SLICE_MS)):
+                if self._closing.is_set():
+                    raise dist.DistStoreError("the rendezvous store client was closed")
+                if self._moved_to is not None:  # ask the store that took over instead
+                    self._move_if_asked()
+                    return self._roundtrip(op, args)
+                continue
+            frames = self._sock.recv_multipart()
+            try:
+                reply = _verify(self._key, frames, MAX_REQUEST_BYTES)
+            except StoreRejected as e:
+                logger.warning("dropped a reply from the rendezvous store: %s", e)
+                continue
+            if reply.get("sid") != self._sid or reply.get("seq") != self._seq:
+                continue  # not the answer to this request (a late one, or a replay)
+            if reply.get("error") is not None:
+                raise dist.DistStoreError(f"rendezvous store refused {op}: {reply['error']}")
+            return reply.get("result")
+
+    def move_to(self, host: str, port: int) -> None:
+        """The store moved (a standby coordinator took over and serves a new, empty one): send
+        every request there from now on, once the keys this client wrote are written there
+        again, so that peers can still read them (a gloo pair first used later reads its
+        peer's address). A request waiting for the old store is sent again to the new one.
+        Thread-safe; returns once moved (after the call in progress, if any)."""
+        self._moved_to = (host, port)
+        with self._lock:
+            if not self._closing.is_set():
+                self._move_if_asked()
+
+    def _move_if_asked(self) -> None:
+        """Move to the store :meth:`move_to` named, if it named one (``_lock`` held)."""
+        target, self._moved_to = self._moved_to, None
+        if target is None:
+            return
+        host, port = target
+        self._sock.close(linger=0)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES + 64)
+        self._sock.connect(f"tcp://{host}:{port}")
+        self._address = f"{host}:{port}"
+        for key, value in self._written.items():
+            self._roundtrip("set", [key, value])
+        logger.info(
+            "the rendezvous store moved to %s (%d keys written again)",
+            self._address,
+            len(self._written),
+        )
 
     def _poll_until(self, what: str, ready: Any, timeout: timedelta | None = None) -> Any:
         budget = (timeout or self._timeout).total_seconds()
@@ -152,6 +193,7 @@ class SignedStore(Store):
 
     def set(self, key: str, value: Any) -> None:
         data = _as_bytes(value)
+        self._written[key] = data  # first: a move during the call writes it again
         self._call("set", key, data)
         if self.observer is not None:
             self.observer(key, data, written=True)
@@ -210,7 +252,9 @@ class SignedStore(Store):
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set of {len(keys)} keys with {len(values)} values")
-        self._call("multi_set", list(keys), [_as_bytes(v) for v in values])
+        data = [_as_bytes(v) for v in values]
+        self._written.update(zip(keys, data, strict=True))
+        self._call("multi_set", list(keys), data)
 
 
 def _as_bytes(value: Any) -> bytes:

@@ -306,6 +306,37 @@ class Comms:
             self._abort_done.set()
         logger.info("generation %d: aborted its groups (%d sockets shut down)", self.generation, n)
 
+    def store_moved(self, host: str, port: int) -> threading.Thread | None:
+        """The rendezvous store moved (a standby coordinator took over with a new one): this
+        generation's store client writes its keys there again and asks it from now on, so a
+        gloo pair first used later (or a group made later) still finds its peers' addresses.
+
+        Moves on a thread of its own, which it returns (``None``: nothing to move): the caller
+        is the control-plane client's, and a request in flight holds the store client until
+        its next slice.
+        """
+        move = getattr(self.base_store, "move_to", None)
+        if move is None or self._aborted or self._destroyed:
+            return None
+
+        def moving() -> None:
+            try:
+                move(host, port)
+            except Exception as e:  # the generation's operations will fail, and be recovered
+                logger.warning(
+                    "generation %d: moving to the rendezvous store at %s:%d failed: %s",
+                    self.generation,
+                    host,
+                    port,
+                    e,
+                )
+
+        thread = threading.Thread(
+            target=moving, name=f"p2p-store-move-gen{self.generation}", daemon=True
+        )
+        thread.start()
+        return thread
+
     def abort_in_background(self) -> threading.Thread | None:
         """Run :meth:`abort` on a thread of its own and return it (``None`` if already aborted).
 

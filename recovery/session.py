@@ -110,6 +110,7 @@ class Session:
                 on_shutdown=self._on_shutdown,
                 on_interrupt=self._on_interrupt,
                 on_coordinators_lost=self._on_coordinators_lost,
+                on_store_moved=self._on_store_moved,
             )
 
     @property
@@ -140,6 +141,11 @@ class Session:
                 self.client.ack(g)
         else:
             self._abort_older_than(g)
+
+    def _on_store_moved(self, host: str, port: int) -> None:
+        comms = self.comms
+        if comms is not None:
+            comms.store_moved(host, port)
 
     def _on_interrupt(self, body: dict[str, Any]) -> None:
         with self._cond:

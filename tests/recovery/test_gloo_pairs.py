@@ -224,3 +224,65 @@ def test_a_job_with_lazy_gloo_pairs_recovers_from_a_kill_then_a_hang_bitwise(
     assert {e["restored_from"] for e in done} == {"peers"}, done
     assert {e["lazy_gloo"] for e in done} == {True}, done
     assert len({e["generation"] for e in done}) == 2, done
+
+
+def _member_across_a_move(rank: int, port, barrier, out) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        comms = create_comms(_spec(rank, 1, port.value), register=lambda c: None)
+        barrier.wait(HANG_DEADLINE_S)  # formed (ring pairs only): the store now moves
+        barrier.wait(HANG_DEADLINE_S)
+        mover = comms.store_moved("127.0.0.1", port.value)
+        assert mover is not None
+        mover.join(HANG_DEADLINE_S)
+        barrier.wait(HANG_DEADLINE_S)  # every member's address is in the new store
+        t = torch.full((4,), float(rank))
+        if rank in (0, 2):  # a pair no ring uses: connected now, through the new store
+            peer = 2 - rank
+            op = dist.isend if rank == 0 else dist.irecv
+            op(t, peer).wait(timeout=timedelta(seconds=RELEASE_DEADLINE_S))
+        out.put(("done", rank, t.tolist()))
+        barrier.wait(HANG_DEADLINE_S)
+        comms.abort()
+        comms.destroy()
+    except Exception as e:
+        out.put(("error", rank, repr(e)))
+        raise
+
+
+@pytest.mark.slow
+def test_after_the_store_moves_a_pair_used_for_the_first_time_connects_through_the_new_one():
+    """A standby coordinator took over, its store new and empty: every member writes its
+    address there again, and a pair first used afterwards still finds its peer."""
+    old = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(WORLD_SIZE + 1), ctx.Queue()
+    port = ctx.Value("i", old.port)
+    procs = [
+        ctx.Process(target=_member_across_a_move, args=(r, port, barrier, out))
+        for r in range(WORLD_SIZE)
+    ]
+    for p in procs:
+        p.start()
+    new = None
+    try:
+        barrier.wait(HANG_DEADLINE_S)
+        old.close()
+        new = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
+        port.value = new.port
+        barrier.wait(HANG_DEADLINE_S)
+        barrier.wait(HANG_DEADLINE_S)
+        results = {}
+        for _ in range(WORLD_SIZE):
+            kind, rank, value = out.get(timeout=HANG_DEADLINE_S)
+            assert kind == "done", (kind, rank, value)
+            results[rank] = value
+        barrier.wait(HANG_DEADLINE_S)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            p.kill()
+        old.close()
+        if new is not None:
+            new.close()
+    assert results[2] == [0.0] * 4, results  # rank 0's tensor arrived

@@ -277,6 +277,31 @@ def test_close_from_another_thread_ends_a_blocked_get(server):
     assert outcome and "closed" in str(outcome[0])
 
 
+def test_a_client_moved_to_a_new_store_writes_its_keys_there_and_asks_it_from_then_on():
+    """A standby coordinator took over with a new, empty store: what the client wrote is
+    written there again, and a request the old store never answered is asked there."""
+    old = StoreServer(SECRET, JOB, "127.0.0.1").start()
+    moved = SignedStore("127.0.0.1", old.port, SECRET, JOB, timedelta(seconds=60))
+    moved.set("mine", b"my address")
+    old.close()  # hung: nothing is answered any more
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(moved.get("theirs")))
+    t.start()
+    with StoreServer(SECRET, JOB, "127.0.0.1") as new:
+        other = SignedStore("127.0.0.1", new.port, SECRET, JOB, timedelta(seconds=30))
+        try:
+            moved.move_to("127.0.0.1", new.port)
+            assert other.get("mine") == b"my address"
+            other.set("theirs", b"their address")
+            t.join(30)  # far below the client's own 60 s timeout
+            assert got == [b"their address"]
+            moved.set("later", b"x")
+            assert other.get("later") == b"x"
+        finally:
+            other.close()
+            moved.close()
+
+
 def test_a_multi_get_waits_for_every_key_and_pages_what_one_reply_cannot_hold(server, client):
     big = b"x" * (store_mod.MAX_VALUE_BYTES * 3 // 5)  # two do not fit in one reply
     client.multi_set(["page/a", "page/b"], [big, b"small"])
