@@ -197,10 +197,18 @@ class RendezvousSize:
     members: int
     default: RendezvousPattern
     engine: RendezvousPattern
+    lazy: RendezvousPattern | None = None
+    """The engine's way with ``--lazy-gloo`` (reports from before it have none)."""
 
     @property
     def store_cpu_ratio(self) -> float:
         return self.default.store_cpu_s / max(self.engine.store_cpu_s, 1e-9)
+
+    @property
+    def lazy_ratio(self) -> float:
+        """Store CPU, the engine's way over its lazy one."""
+        assert self.lazy is not None
+        return self.engine.store_cpu_s / max(self.lazy.store_cpu_s, 1e-9)
 
 
 @dataclass(slots=True)
@@ -223,6 +231,11 @@ class RendezvousReport:
                     "default": dataclasses.asdict(s.default),
                     "engine": dataclasses.asdict(s.engine),
                     "store_cpu_ratio": s.store_cpu_ratio,
+                    **(
+                        {"lazy": dataclasses.asdict(s.lazy), "lazy_ratio": s.lazy_ratio}
+                        if s.lazy is not None
+                        else {}
+                    ),
                 }
                 for s in self.sizes
             ],
@@ -239,6 +252,7 @@ class RendezvousReport:
                     s["members"],
                     RendezvousPattern(**s["default"]),
                     RendezvousPattern(**s["engine"]),
+                    RendezvousPattern(**s["lazy"]) if "lazy" in s else None,
                 )
                 for s in doc["sizes"]
             ],
@@ -377,6 +391,8 @@ class ScaleJob:
     placement: str
     step_s: float
     state_gib_per_gpu: float
+    lazy_gloo: bool = False
+    """Its gloo groups connect pairs on first use (``--lazy-gloo``)."""
 
 
 @dataclass(slots=True)

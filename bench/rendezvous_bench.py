@@ -8,7 +8,11 @@ thread of the coordinator's store. Two ways, measured in one run at each size:
   carries one pair number per member, so a group moves N^3 bytes;
 - the engine's (:data:`recovery.comms.GLOO_ENVIRONMENT`, set for every group it makes): a member
   reads the addresses with one ``multi_get`` per 128 members, and an address is the same few
-  hundred bytes at any size.
+  hundred bytes at any size;
+- the engine's with ``p2p-run --lazy-gloo`` (:mod:`recovery.gloo_pairs`): a member reads only
+  the addresses of the pairs it connects while the group forms, its two ring neighbours
+  (:data:`bench.scale_model.LAZY_PAIRS`), each with gloo's ``wait`` and ``get``; pairs first used
+  later read theirs then, outside the rendezvous.
 
 The store is the real one (:class:`launcher.store.StoreServer` in a process of its own, an HMAC
 on every frame), the members are emulated: ``--clients`` processes of real
@@ -43,7 +47,7 @@ from typing import Any
 from bench.bench_reports import HostInfo, RendezvousPattern, RendezvousReport, RendezvousSize
 from bench.control_plane_bench import process_cpu_s
 from bench.fault_runs import UsageError
-from bench.scale_model import GLOO_BATCH
+from bench.scale_model import GLOO_BATCH, LAZY_PAIRS
 
 #: Bytes of a gloo TCP address: a ``sockaddr_storage`` and a sequence number.
 GLOO_SOCKADDR_BYTES = 136
@@ -69,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+#: The three ways, by name: the address carries pair numbers (torch's default only), the reads.
+WAYS = ("default", "engine", "lazy")
+
+
 def address_bytes(members: int, *, engine: bool) -> int:
     """The size of one member's address as gloo writes it: its host name, its socket address
     and, unless the rank is the sequence number, one pair number per member."""
@@ -76,9 +84,18 @@ def address_bytes(members: int, *, engine: bool) -> int:
     return 8 + host + 8 + GLOO_SOCKADDR_BYTES + (0 if engine else 8 * members)
 
 
-def reads_per_member(members: int, *, engine: bool) -> int:
-    """Requests one member makes to read every address (once they are all written)."""
-    return math.ceil(members / GLOO_BATCH) if engine else 2 * members
+def reads_per_member(members: int, way: str) -> int:
+    """Requests one member makes to read the addresses it needs (once they are all written)."""
+    if way == "lazy":
+        return 2 * LAZY_PAIRS
+    return math.ceil(members / GLOO_BATCH) if way == "engine" else 2 * members
+
+
+def _needed(member: int, members: int, way: str) -> list[int]:
+    """The members whose addresses ``member`` reads."""
+    if way == "lazy":
+        return [(member + d) % members for d in (-1, 1)][:LAZY_PAIRS]
+    return list(range(members))
 
 
 def _serve(secret: bytes, conn: Connection) -> None:
@@ -90,15 +107,18 @@ def _serve(secret: bytes, conn: Connection) -> None:
         conn.recv()
 
 
-def _read(port: int, secret: bytes, prefix: str, members: int, engine: bool, times: int) -> None:
-    """Replay ``times`` members' reads of every address (one client, one request at a time)."""
+def _read(
+    port: int, secret: bytes, prefix: str, members: int, way: str, first: int, times: int
+) -> None:
+    """Replay the reads of ``times`` members from ``first`` on (one client, one request at a
+    time)."""
     from launcher.store_client import SignedStore
 
-    keys = [f"{prefix}{i}" for i in range(members)]
     store = SignedStore("127.0.0.1", port, secret, _JOB, timedelta(seconds=120))
     try:
-        for _ in range(times):
-            if engine:
+        for member in range(first, first + times):
+            keys = [f"{prefix}{i}" for i in _needed(member % members, members, way)]
+            if way == "engine":
                 for start in range(0, members, GLOO_BATCH):
                     store.multi_get(keys[start : start + GLOO_BATCH])
             else:
@@ -115,14 +135,14 @@ def _measure(
     pid: int,
     secret: bytes,
     members: int,
-    engine: bool,
+    way: str,
     args: argparse.Namespace,
 ) -> RendezvousPattern:
     from launcher.store_client import SignedStore
 
-    prefix = f"{'engine' if engine else 'default'}{members}/"
-    size = address_bytes(members, engine=engine)
-    per_member = reads_per_member(members, engine=engine)
+    prefix = f"{way}{members}/"
+    size = address_bytes(members, engine=way != "default")
+    per_member = reads_per_member(members, way)
     writer = SignedStore("127.0.0.1", port, secret, _JOB, timedelta(seconds=120))
     cpu0, t0 = process_cpu_s(pid), time.perf_counter()
     try:
@@ -133,7 +153,12 @@ def _measure(
     cpu1, t1 = process_cpu_s(pid), time.perf_counter()
     replayed = max(args.clients, math.ceil(args.min_requests / per_member))
     shares = [replayed // args.clients + (c < replayed % args.clients) for c in range(args.clients)]
-    jobs = [pool.submit(_read, port, secret, prefix, members, engine, n) for n in shares if n > 0]
+    firsts = [sum(shares[:c]) for c in range(args.clients)]
+    jobs = [
+        pool.submit(_read, port, secret, prefix, members, way, first, n)
+        for first, n in zip(firsts, shares, strict=True)
+        if n > 0
+    ]
     for job in jobs:
         job.result()
     cpu2, t2 = process_cpu_s(pid), time.perf_counter()
@@ -141,7 +166,7 @@ def _measure(
     return RendezvousPattern(
         address_bytes=size,
         requests=members * (1 + per_member),
-        reply_mb=members * members * size / 1e6,
+        reply_mb=members * len(_needed(0, members, way)) * size / 1e6,
         store_cpu_s=(cpu1 - cpu0) + (cpu2 - cpu1) * scale,
         wall_s=(t1 - t0) + (t2 - t1) * scale,
         replayed_members=replayed,
@@ -165,9 +190,8 @@ def measure(args: argparse.Namespace) -> RendezvousReport:
         sizes = []
         with ProcessPoolExecutor(args.clients, mp_context=ctx) as pool:
             for n in args.ranks:
-                default = _measure(pool, port, server.pid, secret, n, False, args)
-                engine = _measure(pool, port, server.pid, secret, n, True, args)
-                sizes.append(RendezvousSize(n, default, engine))
+                ways = {w: _measure(pool, port, server.pid, secret, n, w, args) for w in WAYS}
+                sizes.append(RendezvousSize(n, ways["default"], ways["engine"], ways["lazy"]))
     finally:
         ours.send("stop")
         server.join(10)
@@ -199,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
     header = ("members", "", "requests", "address B", "MB read", "store CPU s", "wall s")
     print("  ".join(f"{h:>11}" for h in header))
     for s in report.sizes:
-        for name, row in (("default", s.default), ("engine", s.engine)):
+        for name, row in (("default", s.default), ("engine", s.engine), ("lazy", s.lazy)):
+            if row is None:
+                continue
             cells: list[Any] = [
                 s.members,
                 name,
@@ -210,5 +236,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{row.wall_s:.2f}",
             ]
             print("  ".join(f"{c:>11}" for c in cells))
-        print(f"{'':>11}  store CPU, default / engine: {s.store_cpu_ratio:.0f}x")
+        print(f"{'':>11}  store CPU, default / engine: {s.store_cpu_ratio:.0f}x", end="")
+        print(f", engine / lazy: {s.lazy_ratio:.0f}x" if s.lazy is not None else "")
     return 0

@@ -147,6 +147,9 @@ def control_plane_inputs(measured: dict[str, Any], n: int) -> Inputs:
 #: of gloo's TCP context, with :data:`recovery.comms.GLOO_ENVIRONMENT`; used by
 #: :mod:`bench.rendezvous_bench` too).
 GLOO_BATCH = 128
+#: Pairs a member of a gloo group made with ``--lazy-gloo`` connects while the group forms: its
+#: ring neighbours (``recovery.comms.Comms._connect_first``).
+LAZY_PAIRS = 2
 
 
 def rendezvous_inputs(measured: dict[str, Any], n: int) -> Inputs:
@@ -157,9 +160,20 @@ def rendezvous_inputs(measured: dict[str, Any], n: int) -> Inputs:
     src = f"{rz['command']} ({rz['date']})"
     pts = {int(s["members"]): s["store_cpu_s"] / s["requests"] for s in rz["sizes"]}
     value, how = series(pts, n)
+    lazy_pts = {int(s["members"]): s["lazy_store_cpu_s"] / s["lazy_requests"] for s in rz["sizes"]}
+    lazy, lazy_how = series(lazy_pts, n)
     return {
         "store_request_s": Input(
             value, "s", "measured", f"{src}: store CPU per request, {how}", value * 0.5, value * 2
+        ),
+        "lazy_request_s": Input(
+            lazy,
+            "s",
+            "measured",
+            f"{src}: store CPU per request with --lazy-gloo (a wait or a get of one address), "
+            f"{lazy_how}",
+            lazy * 0.5,
+            lazy * 2,
         ),
         "gloo_groups": Input(
             3,
@@ -174,10 +188,15 @@ def rendezvous_inputs(measured: dict[str, Any], n: int) -> Inputs:
     }
 
 
-def gloo_rendezvous_s(inp: Inputs, n: int) -> float:
+def gloo_rendezvous_s(inp: Inputs, n: int, *, lazy: bool = False) -> float:
     """Seconds of the store thread for a generation's gloo groups at ``n`` ranks: per group,
-    every member writes its address and reads all of them, one request per 128 members."""
-    per_group = n * (1 + math.ceil(n / GLOO_BATCH)) * inp.get("store_request_s", _zero).value
+    every member writes its address and reads all of them, one request per 128 members; with
+    ``lazy`` (``p2p-run --lazy-gloo``), reads those of the :data:`LAZY_PAIRS` pairs it connects
+    while the group forms, a wait and a get each."""
+    if lazy:
+        per_group = n * (1 + 2 * LAZY_PAIRS) * inp.get("lazy_request_s", _zero).value
+    else:
+        per_group = n * (1 + math.ceil(n / GLOO_BATCH)) * inp.get("store_request_s", _zero).value
     return inp.get("gloo_groups", _zero).value * per_group
 
 
@@ -259,6 +278,7 @@ class Job:
     storage: str = "parallel-fs"  # or "s3"
     replica_memory: str = "gpu"  # or "host" (pinned)
     placement: str = "ring"  # copies on the next nodes, or "same-node" (over NVLink)
+    lazy_gloo: bool = False  # gloo groups connect pairs on first use (p2p-run --lazy-gloo)
 
     @property
     def nodes(self) -> int:
@@ -298,7 +318,7 @@ def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[
         "interrupt": gen + inp["nccl_abort_s"].value,
         "communicators": inp["nccl_connect_s"].value
         + inp["nccl_lazy_init_s_per_1k_ranks"].value * n / 1024
-        + gloo_rendezvous_s(inp, n),
+        + gloo_rendezvous_s(inp, n, lazy=job.lazy_gloo),
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s / (inp["hbm_gbps"].value * GB),
         "transfer": s * streams / bw,
@@ -442,7 +462,7 @@ def resize_phases(
     return {
         "communicators": inp["nccl_connect_s"].value
         + inp["nccl_lazy_init_s_per_1k_ranks"].value * to_gpus / 1024
-        + gloo_rendezvous_s(inp, to_gpus),
+        + gloo_rendezvous_s(inp, to_gpus, lazy=job.lazy_gloo),
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s_new / (inp["hbm_gbps"].value * GB),
         "transfer": resize_transfer_s(inp, job, to_gpus, nodes=nodes, leaving=leaving),

@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", choices=("parallel-fs", "s3"), default="parallel-fs")
     p.add_argument("--replica-memory", choices=("gpu", "host"), default="gpu")
     p.add_argument("--placement", choices=("ring", "same-node"), default="ring")
+    p.add_argument(
+        "--lazy-gloo",
+        action="store_true",
+        help="the job runs with p2p-run --lazy-gloo: its gloo groups connect pairs on first use",
+    )
     p.add_argument("--trials", type=int, default=2000, help="Monte Carlo months (default 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true", help="report.md and report.json only")
@@ -319,6 +324,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> ScaleRep
         storage=args.storage,
         replica_memory=args.replica_memory,
         placement=args.placement,
+        lazy_gloo=args.lazy_gloo,
     )
     restart = sm.restart_phases(inp, base)
     restart_s = sum(restart.values())
@@ -457,6 +463,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> ScaleRep
             placement=args.placement,
             step_s=sm.step_time_s(inp, args.gpus),
             state_gib_per_gpu=sm.state_bytes_per_gpu(inp, args.gpus) / 2**30,
+            lazy_gloo=args.lazy_gloo,
         ),
         headline=headline,
         inputs=dict(sorted(inp.items())),

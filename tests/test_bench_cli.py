@@ -75,13 +75,16 @@ def test_rendezvous_bench(capsys):
     argv = ["--ranks", "16", "--min-requests", "300", "--clients", "2", "--json"]
     r = _run(capsys, "rendezvous", *argv)
     (size,) = r["sizes"]
-    default, engine = size["default"], size["engine"]
+    default, engine, lazy = size["default"], size["engine"], size["lazy"]
     assert size["members"] == 16 and r["clients"] == 2
-    assert default["requests"] == 16 * (1 + reads_per_member(16, engine=False)) == 16 * 33
-    assert engine["requests"] == 16 * (1 + reads_per_member(16, engine=True)) == 16 * 2
+    assert default["requests"] == 16 * (1 + reads_per_member(16, "default")) == 16 * 33
+    assert engine["requests"] == 16 * (1 + reads_per_member(16, "engine")) == 16 * 2
+    assert lazy["requests"] == 16 * (1 + reads_per_member(16, "lazy")) == 16 * 5
     assert default["address_bytes"] == address_bytes(16, engine=False) > engine["address_bytes"]
+    assert lazy["reply_mb"] == engine["reply_mb"] * 2 / 16  # two addresses a member, not 16
     assert default["replayed_members"] * 32 >= 300 and engine["replayed_members"] >= 300
-    assert default["store_cpu_s"] >= 0 and engine["wall_s"] > 0
+    assert default["store_cpu_s"] >= 0 and engine["wall_s"] > 0 and lazy["store_cpu_s"] >= 0
+    assert size["lazy_ratio"] > 0
 
 
 def test_replicate_bench(capsys):

@@ -71,6 +71,23 @@ def test_gloo_groups_cost_the_store_a_request_per_128_members_each():
     assert sm.gloo_rendezvous_s(inp, 16384) / sm.gloo_rendezvous_s(inp, 2048) > 60
 
 
+def test_with_lazy_gloo_a_member_reads_the_two_addresses_of_its_ring_pairs():
+    inp = _inputs()
+    inp.update(sm.rendezvous_inputs(sm.load("measured"), 2048))
+    inp = sm.with_value(sm.with_value(inp, "lazy_request_s", 5e-5), "gloo_groups", 3)
+    # One write and a wait and a get for each of two neighbours, three groups: linear in ranks.
+    assert sm.gloo_rendezvous_s(inp, 2048, lazy=True) == pytest.approx(3 * 2048 * 5 * 5e-5)
+    ratio = sm.gloo_rendezvous_s(inp, 16384, lazy=True) / sm.gloo_rendezvous_s(inp, 2048, lazy=True)
+    assert ratio == pytest.approx(8)
+    eager = sm.recovery_phases(inp, Job(gpus=16384))["communicators"]
+    lazy = sm.recovery_phases(inp, Job(gpus=16384, lazy_gloo=True))["communicators"]
+    assert eager - lazy == pytest.approx(
+        sm.gloo_rendezvous_s(inp, 16384) - sm.gloo_rendezvous_s(inp, 16384, lazy=True)
+    )
+    measured = sm.rendezvous_inputs(sm.load("measured"), 2048)["lazy_request_s"]
+    assert measured.label == "measured" and "--lazy-gloo" in measured.source
+
+
 def test_the_store_cost_per_request_is_the_rendezvous_bench_s():
     measured = sm.load("measured")
     largest = max(measured["rendezvous"]["sizes"], key=lambda s: s["members"])

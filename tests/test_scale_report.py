@@ -123,6 +123,20 @@ def test_own_model_and_hardware_figures(tmp_path):
     assert rep.inputs["ib_gbps"].value == 25
 
 
+def test_lazy_gloo_shortens_the_communicators_of_a_large_job():
+    measured = sm.load("measured")
+    eager = scale_report.build_report(_args("--gpus", "16384", "--trials", "5"), measured)
+    lazy = scale_report.build_report(
+        _args("--gpus", "16384", "--trials", "5", "--lazy-gloo"), measured
+    )
+    assert lazy.job.lazy_gloo is True and eager.job.lazy_gloo is False
+    phases = {n: r.scenarios["checkpointless k=1"].phases_s for n, r in (("e", eager), ("l", lazy))}
+    assert phases["l"]["communicators"] < phases["e"]["communicators"] / 10
+    assert {k: v for k, v in phases["l"].items() if k != "communicators"} == {
+        k: v for k, v in phases["e"].items() if k != "communicators"
+    }
+
+
 def test_set_overrides_an_input_and_says_so():
     measured = sm.load("measured")
     rep = scale_report.build_report(_args("--set", "nccl_abort_s=4", "--trials", "5"), measured)
