@@ -35,6 +35,12 @@ times as long whether a dump was made or not, and destroying the group joins the
 survivor missed the next generation's acknowledgement deadline and was replaced (both seen on
 an H100).
 
+With ``CommsSpec.lazy_gloo`` (``p2p-run --lazy-gloo``) gloo groups connect a pair on first
+use instead (:mod:`recovery.gloo_pairs`, which also finds and releases their sockets in an abort),
+and each runs one all-reduce while forming, which connects its ring pairs within the join
+deadline. When a standby coordinator takes over, the generation's store client moves to its
+store (:meth:`Comms.store_moved`).
+
 And with :data:`GLOO_ENVIRONMENT`: a gloo group's creation reads every member's address from
 the store; those addresses stay a few hundred bytes at any world size and are read with one
 ``multi_get`` per 128 members (the authenticated store has the extended API), so forming a

@@ -20,14 +20,20 @@ listener. A release does three things:
    operation in flight on it fails here and at the peer, as for an eager group;
 2. wakes every pair still waiting for a peer to connect to it: of a pair, the member with the
    lower address waits for the other to connect and present its rank, and gloo waits five
-   times the group's timeout for that, uninterrupted. The release connects to this member's own
-   listener once for each peer whose address gloo read, presenting that peer's rank, and shuts
-   the connection down: the waiting pair takes it, finds it closed, and its operation fails.
-   A pair that is already connected never sees it (gloo drops a second connection for a
-   number nobody waits for);
-3. goes on shutting such sockets down (:meth:`GlooPairs.reap`) until the generation's groups
-   are destroyed: a connection gloo began before the release can complete just after it.
-   Nothing new begins: closing the store makes gloo's next read of an address fail.
+   times the group's timeout for that, uninterrupted (:func:`waits_for`). The release connects
+   to this member's own listener once for each peer whose address gloo read and that this
+   member waits for, presenting that peer's rank, and shuts the connection down: the waiting
+   pair takes it, finds it closed, and its operation fails. A pair that is already connected
+   never sees it (gloo drops a second connection for a number nobody waits for);
+3. goes on doing both (:meth:`GlooPairs.reap`) until the generation's groups are destroyed: a
+   connection gloo began before the release can complete just after it, and a read of an
+   address answered just before the store closed be followed by a connect. Nothing new begins:
+   closing the store makes gloo's next read of an address fail.
+
+The price: a pair first used later in the generation reads its peer's address then, so the
+generation's store must still answer. After a standby coordinator takes over it does (the store
+client moves and writes its keys again); once every coordinator is lost it does not, and an
+operation needing a pair not used before fails. Hence opt-in (``p2p-run --lazy-gloo``).
 
 Which bytes are a gloo address is gloo's format (``Rank::bytes`` in
 gloo/transport/tcp/context.cc): the host name and the listener's ``Address`` (a

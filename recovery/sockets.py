@@ -1,8 +1,9 @@
-"""This process's connected TCP sockets, read from ``/proc/self/fd``, and shutting one down.
+"""This process's TCP sockets, read from ``/proc/self/fd``, and shutting one down.
 
 What :class:`recovery.comms.Comms` records as a generation's sockets while its groups are
-created, and shuts down (``shutdown(2)``, not ``close``: the descriptors stay their owner's) to
-break the generation's operations in flight.
+created (or, for pairs connected on first use, finds by address: :mod:`recovery.gloo_pairs`),
+and shuts down (``shutdown(2)``, not ``close``: the descriptors stay their owner's) to break the
+generation's operations in flight.
 """
 
 from __future__ import annotations
