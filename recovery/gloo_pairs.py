@@ -238,11 +238,12 @@ def _present(listener: Endpoint, rank: int) -> int:
 def lazy_pairs_work() -> bool:
     """Whether this process's gloo writes the addresses :func:`listener_of` reads (once)."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Store
 
-    class _Recorder(dist.Store):
+    class _Recorder(Store):
         def __init__(self) -> None:
             super().__init__()
-            self.inner = dist.HashStore()
+            self.inner = dist.HashStore()  # type: ignore[attr-defined]
             self.written: list[bytes] = []
 
         def set(self, key: str, value: Any) -> None:
