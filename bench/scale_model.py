@@ -192,11 +192,14 @@ def gloo_rendezvous_s(inp: Inputs, n: int, *, lazy: bool = False) -> float:
     """Seconds of the store thread for a generation's gloo groups at ``n`` ranks: per group,
     every member writes its address and reads all of them, one request per 128 members; with
     ``lazy`` (``p2p-run --lazy-gloo``), reads those of the :data:`LAZY_PAIRS` pairs it connects
-    while the group forms, a wait and a get each."""
+    while the group forms, a wait and a get each, and the members then give each other all
+    their addresses in one ring all-gather."""
     if lazy:
         per_group = n * (1 + 2 * LAZY_PAIRS) * inp.get("lazy_request_s", _zero).value
-    else:
-        per_group = n * (1 + math.ceil(n / GLOO_BATCH)) * inp.get("store_request_s", _zero).value
+        # ... and then share every member's addresses over the ring: N - 1 steps, once.
+        shared = (n - 1) * inp.get("gloo_hop_s", _zero).value
+        return inp.get("gloo_groups", _zero).value * per_group + shared
+    per_group = n * (1 + math.ceil(n / GLOO_BATCH)) * inp.get("store_request_s", _zero).value
     return inp.get("gloo_groups", _zero).value * per_group
 
 
@@ -231,6 +234,7 @@ def job_inputs(
         "nccl_lazy_init_s_per_1k_ranks",
         "nccl_connect_s",
         "nccl_abort_s",
+        "gloo_hop_s",
         "build_fixed_s",
         "cold_build_s",
         "scheduler_restart_s",

@@ -134,8 +134,7 @@ class RunOptions:
         False,
         flag="--lazy-gloo",
         help="gloo groups connect a pair of ranks the first time it is used, not every pair "
-        "when made: for jobs of thousands of ranks; new pairs need the coordinator's store "
-        "(see docs/launcher.md)",
+        "when a generation forms: for jobs of thousands of ranks (docs/recovery.md)",
     )
     secret_file: str | None = setting(
         None,

@@ -38,8 +38,10 @@ an H100).
 With ``CommsSpec.lazy_gloo`` (``p2p-run --lazy-gloo``) gloo groups connect a pair on first
 use instead (:mod:`recovery.gloo_pairs`, which also finds and releases their sockets in an abort),
 and each runs one all-reduce while forming, which connects its ring pairs within the join
-deadline. When a standby coordinator takes over, the generation's store client moves to its
-store (:meth:`Comms.store_moved`).
+deadline; once the generation's groups are formed the members share their addresses over the
+ring (:meth:`Comms.share_addresses`), so a pair first used later never needs the store. When a
+standby coordinator takes over, the generation's store client moves to its store
+(:meth:`Comms.store_moved`).
 
 And with :data:`GLOO_ENVIRONMENT`: a gloo group's creation reads every member's address from
 the store; those addresses stay a few hundred bytes at any world size and are read with one
@@ -59,6 +61,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -149,10 +152,10 @@ class CommsSpec:
     lazy_gloo: bool = False
     """Gloo groups connect a pair of members the first time an operation uses it, not every
     pair when made (:mod:`recovery.gloo_pairs`): forming a group then costs the store one
-    write a member instead of N reads, but a pair first used later needs the store then. Needs
-    the authenticated store (its client tells which addresses gloo reads); without it, or
-    where this gloo's addresses are not the ones understood, groups connect every pair when
-    made."""
+    write a member instead of N reads (:meth:`Comms.share_addresses` gives the members the
+    rest). Needs the authenticated store (its client tells which addresses gloo reads);
+    without it, or where this gloo's addresses are not the ones understood, groups connect
+    every pair when made."""
     side_group_max_ctas: int = 8
     """CTA limit (``NCCLConfig.max_ctas``) of every NCCL group made after the default one (the
     replication group): its sends run while FSDP's kernels do, and with no limit they would
@@ -343,6 +346,35 @@ class Comms:
         thread.start()
         return thread
 
+    def share_addresses(self) -> int:
+        """Give every member every member's addresses in the gloo groups made so far, so that
+        a pair first used later reads its peer's address from this process's store client and
+        never from the store, which may be gone by then (every coordinator lost) or new (a
+        standby took over). They travel over the default group's ring pairs, connected when it
+        formed: one all-gather of a few hundred bytes a member, N - 1 ring steps. Collective
+        over the default group; nothing to do (0) where gloo groups connect every pair when
+        made.
+
+        Returns:
+            How many addresses this member learnt.
+        """
+        from p2p_state.transfer import gather_bytes
+
+        know = getattr(self.base_store, "know", None)
+        if self.pairs is None or self.default is None or know is None:
+            return 0
+        mine = msgpack.packb(self.pairs.records(), use_bin_type=True)
+        tables = gather_bytes(mine, self.default, torch.device("cpu"), self.spec.timeout_s)
+        learnt: dict[str, bytes] = {}
+        for rank, table in enumerate(tables):
+            if rank != self.spec.rank:
+                learnt.update(_records(msgpack.unpackb(table, raw=False)))
+        know(learnt)
+        logger.info(
+            "generation %d: %d gloo addresses shared over the ring", self.generation, len(learnt)
+        )
+        return len(learnt)
+
     def abort_in_background(self) -> threading.Thread | None:
         """Run :meth:`abort` on a thread of its own and return it (``None`` if already aborted).
 
@@ -390,6 +422,13 @@ class Comms:
         close = getattr(self.base_store, "close", None)  # the authenticated store's client
         if close is not None:
             close()
+
+
+def _records(doc: Any) -> dict[str, bytes]:
+    """Address records a member shared: key -> gloo's bytes (anything else is dropped)."""
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, bytes)}
 
 
 def _nccl_backend(pg: Any) -> Any:

@@ -30,10 +30,10 @@ listener. A release does three things:
    address answered just before the store closed be followed by a connect. Nothing new begins:
    closing the store makes gloo's next read of an address fail.
 
-The price: a pair first used later in the generation reads its peer's address then, so the
-generation's store must still answer. After a standby coordinator takes over it does (the store
-client moves and writes its keys again); once every coordinator is lost it does not, and an
-operation needing a pair not used before fails. Hence opt-in (``p2p-run --lazy-gloo``).
+A pair first used later in the generation must find its peer's address when the store may be
+gone (every coordinator lost) or new (a standby took over): once the groups are formed, the
+members give each other their records (:meth:`GlooPairs.records`) over the ring, and their
+store clients answer those reads themselves (``recovery.comms.Comms.share_addresses``).
 
 Which bytes are a gloo address is gloo's format (``Rank::bytes`` in
 gloo/transport/tcp/context.cc): the host name and the listener's ``Address`` (a
@@ -132,6 +132,7 @@ class GlooPairs:
         self.rank = rank
         self._lock = threading.Lock()
         self._own: dict[str, Endpoint] = {}  # group prefix -> this member's listener
+        self._records: dict[str, bytes] = {}  # this member's address records, by store key
         self._read: dict[str, dict[int, Endpoint]] = {}  # group prefix -> rank -> listener
         self._peers: set[Endpoint] = set()
         self._presented: set[tuple[str, int]] = set()
@@ -153,6 +154,7 @@ class GlooPairs:
         with self._lock:
             if written and rank == self.rank:
                 self._own[prefix] = endpoint
+                self._records[key] = bytes(value)
             elif not written and rank != self.rank:
                 self._read.setdefault(prefix, {})[rank] = endpoint
                 self._peers.add(endpoint)
@@ -162,6 +164,11 @@ class GlooPairs:
         """This member's listening addresses, one a group."""
         with self._lock:
             return list(self._own.values())
+
+    def records(self) -> dict[str, bytes]:
+        """This member's address records as gloo wrote them to the store, by key."""
+        with self._lock:
+            return dict(self._records)
 
     def read(self, rank: int) -> bool:
         """Whether gloo read member ``rank``'s address (to connect to it) in any group."""

@@ -50,12 +50,16 @@ class JobReplication:
         collective) happens in the same order everywhere and its time, an NCCL split or a gloo
         rendezvous, counts in the recovery's ``communicators`` phase rather than in the plan or
         the first replication round. A group asked for later (a stop checkpoint's without
-        periodic checkpoints) is still made on first use.
+        periodic checkpoints) is still made on first use. Where gloo pairs connect on first
+        use, the members then give each other their addresses (:meth:`Comms.share_addresses`),
+        so that no pair of these groups needs the store again.
         """
         self.replication_group()
         self.control_group()
         if self._config.checkpoint is not None:
             self.checkpoint_group()
+        assert self._session.comms is not None
+        self._session.comms.share_addresses()
 
     def replication_group(self) -> dist.ProcessGroup:
         """This generation's group for replication and restores."""

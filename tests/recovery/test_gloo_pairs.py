@@ -24,10 +24,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from launcher.store import StoreServer
+from recovery.checkpoint import complete_steps
 from recovery.comms import CommsSpec, create_comms
 from recovery.gloo_pairs import lazy_pairs_work, listener_of, waits_for
 from recovery.sockets import tcp_listeners
 from tests.recovery.conftest import assert_bitwise, run
+from tests.recovery.test_protect import NO_COORDINATOR, PACED
 
 SECRET = b"s" * 32
 JOB_ID = "lazy-pairs"
@@ -226,6 +228,29 @@ def test_a_job_with_lazy_gloo_pairs_recovers_from_a_kill_then_a_hang_bitwise(
     assert len({e["generation"] for e in done}) == 2, done
 
 
+@pytest.mark.slow
+def test_with_lazy_gloo_pairs_losing_every_coordinator_still_stops_with_a_checkpoint(
+    tmp_path, data_cache
+):
+    # The stop checkpoint's gather and barrier use pairs no step used before, and no store is
+    # left to read their addresses from: the members shared them when the generation formed.
+    ckpt = tmp_path / "stopped" / "checkpoints"
+    stopped = run(
+        tmp_path / "stopped",
+        data_cache,
+        faults=("kill-coordinators@step=2",),
+        launcher_args=(*NO_COORDINATOR, "--stop-checkpoint-timeout", "120", "--lazy-gloo"),
+        env=PACED,
+    )
+    assert stopped.codes == [1, 1], stopped.job.output(0)[-3000:]
+    written = stopped.events("stop_checkpoint_written")
+    assert sorted(e["source"] for e in written) == sorted(
+        e["identity"] for e in stopped.events("process_started", role="rank")
+    )
+    (step,) = {e["step"] for e in written}
+    assert complete_steps(str(ckpt)) == [step]
+
+
 def _member_across_a_move(rank: int, port, barrier, out) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
@@ -286,3 +311,57 @@ def test_after_the_store_moves_a_pair_used_for_the_first_time_connects_through_t
         if new is not None:
             new.close()
     assert results[2] == [0.0] * 4, results  # rank 0's tensor arrived
+
+
+def _member_without_a_store(rank: int, port: int, barrier, out) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        comms = create_comms(_spec(rank, 1, port), register=lambda c: None)
+        learnt = comms.share_addresses()  # over the ring, while the store still answers
+        barrier.wait(HANG_DEADLINE_S)
+        barrier.wait(HANG_DEADLINE_S)  # the store is gone
+        t = torch.full((4,), float(rank))
+        if rank in (0, 2):  # a pair no ring uses, connected with no store to ask
+            peer = 2 - rank
+            op = dist.isend if rank == 0 else dist.irecv
+            op(t, peer).wait(timeout=timedelta(seconds=RELEASE_DEADLINE_S))
+        out.put(("done", rank, (learnt, t.tolist())))
+        barrier.wait(HANG_DEADLINE_S)
+        comms.abort()
+        comms.destroy()
+    except Exception as e:
+        out.put(("error", rank, repr(e)))
+        raise
+
+
+@pytest.mark.slow
+def test_members_that_shared_their_addresses_connect_a_new_pair_with_no_store_left():
+    """Every coordinator is lost, and the store with it: a pair first used afterwards (a stop
+    checkpoint's gather, say) finds its peer's address in what the members gave each other."""
+    server = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(WORLD_SIZE + 1), ctx.Queue()
+    procs = [
+        ctx.Process(target=_member_without_a_store, args=(r, server.port, barrier, out))
+        for r in range(WORLD_SIZE)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        barrier.wait(HANG_DEADLINE_S)
+        server.close()
+        barrier.wait(HANG_DEADLINE_S)
+        results = {}
+        for _ in range(WORLD_SIZE):
+            kind, rank, value = out.get(timeout=HANG_DEADLINE_S)
+            assert kind == "done", (kind, rank, value)
+            results[rank] = value
+        barrier.wait(HANG_DEADLINE_S)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            p.kill()
+        server.close()
+    # Each member learnt the default group's address of the three others.
+    assert {learnt for learnt, _ in results.values()} == {WORLD_SIZE - 1}, results
+    assert results[2][1] == [0.0] * 4, results  # rank 0's tensor arrived

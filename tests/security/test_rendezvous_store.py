@@ -311,6 +311,20 @@ def test_a_client_moved_to_a_new_store_writes_its_keys_there_and_asks_it_from_th
             moved.close()
 
 
+def test_values_it_was_given_are_answered_with_no_store_left():
+    gone = StoreServer(SECRET, JOB, "127.0.0.1").start()
+    c = SignedStore("127.0.0.1", gone.port, SECRET, JOB, timedelta(seconds=2))
+    gone.close()
+    c.know({"a": b"1", "b": b"2"})
+    try:
+        c.wait(["a", "b"])
+        assert c.check(["a"]) and c.get("b") == b"2" and c.multi_get(["b", "a"]) == [b"2", b"1"]
+        with pytest.raises(dist.DistStoreError, match="no answer"):
+            c.get("c")  # anything else is still asked of the store
+    finally:
+        c.close()
+
+
 def test_a_multi_get_waits_for_every_key_and_pages_what_one_reply_cannot_hold(server, client):
     big = b"x" * (store_mod.MAX_VALUE_BYTES * 3 // 5)  # two do not fit in one reply
     client.multi_set(["page/a", "page/b"], [big, b"small"])
