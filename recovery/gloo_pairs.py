@@ -136,7 +136,6 @@ class GlooPairs:
         self._read: dict[str, dict[int, Endpoint]] = {}  # group prefix -> rank -> listener
         self._peers: set[Endpoint] = set()
         self._presented: set[tuple[str, int]] = set()
-        self._released = threading.Event()
         self._destroyed = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -191,7 +190,6 @@ class GlooPairs:
     def release(self) -> int:
         """Make every operation in flight on these groups fail now; the number of sockets shut
         down and connections presented. Idempotent; call :meth:`destroyed` when they are gone."""
-        self._released.set()
         n = self._break()
         with self._lock:
             if self._reaper is None and not self._destroyed.is_set():
