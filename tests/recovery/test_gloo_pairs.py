@@ -24,12 +24,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from launcher.store import StoreServer
-from recovery.checkpoint import complete_steps
 from recovery.comms import CommsSpec, create_comms
 from recovery.gloo_pairs import lazy_pairs_work, listener_of, waits_for
 from recovery.sockets import tcp_listeners
 from tests.recovery.conftest import assert_bitwise, run
-from tests.recovery.test_protect import NO_COORDINATOR, PACED
 
 SECRET = b"s" * 32
 JOB_ID = "lazy-pairs"
@@ -228,100 +226,21 @@ def test_a_job_with_lazy_gloo_pairs_recovers_from_a_kill_then_a_hang_bitwise(
     assert len({e["generation"] for e in done}) == 2, done
 
 
-@pytest.mark.slow
-def test_with_lazy_gloo_pairs_losing_every_coordinator_still_stops_with_a_checkpoint(
-    tmp_path, data_cache
-):
-    # The stop checkpoint's gather and barrier use pairs no step used before, and no store is
-    # left to read their addresses from: the members shared them when the generation formed.
-    ckpt = tmp_path / "stopped" / "checkpoints"
-    stopped = run(
-        tmp_path / "stopped",
-        data_cache,
-        faults=("kill-coordinators@step=2",),
-        launcher_args=(*NO_COORDINATOR, "--stop-checkpoint-timeout", "120", "--lazy-gloo"),
-        env=PACED,
-    )
-    assert stopped.codes == [1, 1], stopped.job.output(0)[-3000:]
-    written = stopped.events("stop_checkpoint_written")
-    assert sorted(e["source"] for e in written) == sorted(
-        e["identity"] for e in stopped.events("process_started", role="rank")
-    )
-    (step,) = {e["step"] for e in written}
-    assert complete_steps(str(ckpt)) == [step]
-
-
-def _member_across_a_move(rank: int, port, barrier, out) -> None:
+def _member_on_a_new_pair(rank: int, port, barrier, out, share: bool) -> None:
+    """Form the groups, let the store move (``share``: go), then use a pair no ring uses."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
         comms = create_comms(_spec(rank, 1, port.value), register=lambda c: None)
-        barrier.wait(HANG_DEADLINE_S)  # formed (ring pairs only): the store now moves
+        learnt = comms.share_addresses() if share else 0  # over the ring, while it answers
+        barrier.wait(HANG_DEADLINE_S)  # formed (ring pairs only): the store now moves or goes
         barrier.wait(HANG_DEADLINE_S)
-        mover = comms.store_moved("127.0.0.1", port.value)
-        assert mover is not None
-        mover.join(HANG_DEADLINE_S)
-        barrier.wait(HANG_DEADLINE_S)  # every member's address is in the new store
+        if not share:
+            mover = comms.store_moved("127.0.0.1", port.value)
+            assert mover is not None
+            mover.join(HANG_DEADLINE_S)
+        barrier.wait(HANG_DEADLINE_S)  # every member's address is where it will be read
         t = torch.full((4,), float(rank))
-        if rank in (0, 2):  # a pair no ring uses: connected now, through the new store
-            peer = 2 - rank
-            op = dist.isend if rank == 0 else dist.irecv
-            op(t, peer).wait(timeout=timedelta(seconds=RELEASE_DEADLINE_S))
-        out.put(("done", rank, t.tolist()))
-        barrier.wait(HANG_DEADLINE_S)
-        comms.abort()
-        comms.destroy()
-    except Exception as e:
-        out.put(("error", rank, repr(e)))
-        raise
-
-
-@pytest.mark.slow
-def test_after_the_store_moves_a_pair_used_for_the_first_time_connects_through_the_new_one():
-    """A standby coordinator took over, its store new and empty: every member writes its
-    address there again, and a pair first used afterwards still finds its peer."""
-    old = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(WORLD_SIZE + 1), ctx.Queue()
-    port = ctx.Value("i", old.port)
-    procs = [
-        ctx.Process(target=_member_across_a_move, args=(r, port, barrier, out))
-        for r in range(WORLD_SIZE)
-    ]
-    for p in procs:
-        p.start()
-    new = None
-    try:
-        barrier.wait(HANG_DEADLINE_S)
-        old.close()
-        new = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
-        port.value = new.port
-        barrier.wait(HANG_DEADLINE_S)
-        barrier.wait(HANG_DEADLINE_S)
-        results = {}
-        for _ in range(WORLD_SIZE):
-            kind, rank, value = out.get(timeout=HANG_DEADLINE_S)
-            assert kind == "done", (kind, rank, value)
-            results[rank] = value
-        barrier.wait(HANG_DEADLINE_S)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            p.kill()
-        old.close()
-        if new is not None:
-            new.close()
-    assert results[2] == [0.0] * 4, results  # rank 0's tensor arrived
-
-
-def _member_without_a_store(rank: int, port: int, barrier, out) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    try:
-        comms = create_comms(_spec(rank, 1, port), register=lambda c: None)
-        learnt = comms.share_addresses()  # over the ring, while the store still answers
-        barrier.wait(HANG_DEADLINE_S)
-        barrier.wait(HANG_DEADLINE_S)  # the store is gone
-        t = torch.full((4,), float(rank))
-        if rank in (0, 2):  # a pair no ring uses, connected with no store to ask
+        if rank in (0, 2):
             peer = 2 - rank
             op = dist.isend if rank == 0 else dist.irecv
             op(t, peer).wait(timeout=timedelta(seconds=RELEASE_DEADLINE_S))
@@ -334,24 +253,26 @@ def _member_without_a_store(rank: int, port: int, barrier, out) -> None:
         raise
 
 
-@pytest.mark.slow
-def test_members_that_shared_their_addresses_connect_a_new_pair_with_no_store_left():
-    """Every coordinator is lost, and the store with it: a pair first used afterwards (a stop
-    checkpoint's gather, say) finds its peer's address in what the members gave each other."""
+def _new_pair_after(share: bool, between) -> dict[int, tuple[int, list[float]]]:
+    """Run :func:`_member_on_a_new_pair` on every rank, with ``between(port)`` done once the
+    groups are formed (``port``: the store's, a shared value); each member's result."""
     server = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(WORLD_SIZE + 1), ctx.Queue()
+    port = ctx.Value("i", server.port)
     procs = [
-        ctx.Process(target=_member_without_a_store, args=(r, server.port, barrier, out))
+        ctx.Process(target=_member_on_a_new_pair, args=(r, port, barrier, out, share))
         for r in range(WORLD_SIZE)
     ]
     for p in procs:
         p.start()
+    results = {}
     try:
         barrier.wait(HANG_DEADLINE_S)
         server.close()
+        between(port)
         barrier.wait(HANG_DEADLINE_S)
-        results = {}
+        barrier.wait(HANG_DEADLINE_S)
         for _ in range(WORLD_SIZE):
             kind, rank, value = out.get(timeout=HANG_DEADLINE_S)
             assert kind == "done", (kind, rank, value)
@@ -361,7 +282,32 @@ def test_members_that_shared_their_addresses_connect_a_new_pair_with_no_store_le
         for p in procs:
             p.join(timeout=10)
             p.kill()
-        server.close()
+    return results
+
+
+@pytest.mark.slow
+def test_after_the_store_moves_a_pair_used_for_the_first_time_connects_through_the_new_one():
+    """A standby coordinator took over, its store new and empty: every member writes its
+    address there again, and a pair first used afterwards still finds its peer."""
+    stores: list[StoreServer] = []
+
+    def move(port) -> None:
+        stores.append(StoreServer(SECRET, JOB_ID, "127.0.0.1").start())
+        port.value = stores[0].port
+
+    try:
+        results = _new_pair_after(share=False, between=move)
+    finally:
+        for store in stores:
+            store.close()
+    assert results[2][1] == [0.0] * 4, results  # rank 0's tensor arrived
+
+
+@pytest.mark.slow
+def test_members_that_shared_their_addresses_connect_a_new_pair_with_no_store_left():
+    """Every coordinator is lost, and the store with it: a pair first used afterwards (a stop
+    checkpoint's gather, say) finds its peer's address in what the members gave each other."""
+    results = _new_pair_after(share=True, between=lambda port: None)
     # Each member learnt the default group's address of the three others.
     assert {learnt for learnt, _ in results.values()} == {WORLD_SIZE - 1}, results
     assert results[2][1] == [0.0] * 4, results  # rank 0's tensor arrived

@@ -240,20 +240,32 @@ PACED = {ENV_JOB_HOOKS: "bench.resize_bench:pace", ENV_BENCH_STEP_S: "2.5"}
 NO_COORDINATOR = ("--coordinator-timeout", "6")
 
 
-@pytest.mark.parametrize("periodic", [False, True], ids=["no-checkpoints", "every-step"])
+@pytest.mark.parametrize(
+    ("periodic", "lazy"),
+    [(False, False), (True, False), (False, True)],
+    ids=["no-checkpoints", "every-step", "no-checkpoints-lazy-gloo"],
+)
 def test_losing_every_coordinator_stops_at_an_agreed_step_with_a_checkpoint_resumed_bitwise(
-    tmp_path, data_cache, reference, periodic
+    tmp_path, data_cache, reference, periodic, lazy
 ):
     # Without --checkpoint-dir the stop checkpoint goes to <run-dir>/checkpoints; with a
     # checkpoint every step, the periodic save of the step the ranks stop at is the stop
-    # checkpoint (waited for, not written twice).
+    # checkpoint (waited for, not written twice). With --lazy-gloo the stop checkpoint's gather
+    # and barrier use pairs no step used, and no store is left to read their addresses from:
+    # the members shared them when the generation formed.
     ckpt = tmp_path / "stopped" / ("ckpt" if periodic else "checkpoints")
     every_step = ("--checkpoint-dir", str(ckpt), "--checkpoint-every", "1") if periodic else ()
     stopped = run(
         tmp_path / "stopped",
         data_cache,
         faults=("kill-coordinators@step=2",),
-        launcher_args=(*NO_COORDINATOR, "--stop-checkpoint-timeout", "120", *every_step),
+        launcher_args=(
+            *NO_COORDINATOR,
+            "--stop-checkpoint-timeout",
+            "120",
+            *every_step,
+            *(["--lazy-gloo"] * lazy),
+        ),
         env=PACED,
     )
     assert stopped.codes == [1, 1], stopped.job.output(0)[-3000:]
