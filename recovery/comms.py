@@ -504,7 +504,16 @@ def _set_group_environment(*, lazy_gloo: bool) -> None:
     """Give the group about to be created the NCCL environment the engine's abort requires and
     the gloo environment that keeps its rendezvous small; its gloo pairs connect on first use
     when ``lazy_gloo``."""
-    os.environ[ENV_GLOO_LAZY_INIT] = "1" if lazy_gloo else "0"
+    lazy = "1" if lazy_gloo else "0"
+    if os.environ.get(ENV_GLOO_LAZY_INIT, lazy) != lazy:
+        logger.warning(
+            "%s=%s replaced by %s: the engine finds a group's sockets in an abort only as it "
+            "made them (p2p-run --lazy-gloo for pairs connected on first use)",
+            ENV_GLOO_LAZY_INIT,
+            os.environ[ENV_GLOO_LAZY_INIT],
+            lazy,
+        )
+    os.environ[ENV_GLOO_LAZY_INIT] = lazy
     for name, (value, why) in GROUP_ENVIRONMENT.items():
         previous = os.environ.get(name)
         if previous not in (None, value):
@@ -528,15 +537,16 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
     comms = Comms(spec)
     register(comms)
     join = timedelta(seconds=spec.join_timeout_s)
-    t0 = time.perf_counter()
-    t0_monotonic = time.monotonic()
+    t0 = time.monotonic()
     try:
+        # Pairs on first use need the authenticated store's client (it tells which addresses
+        # gloo writes and reads) and a gloo whose addresses are understood (checked once).
+        with _CREATE_LOCK:
+            if spec.lazy_gloo and spec.store_secret and lazy_pairs_work():
+                comms.pairs = GlooPairs(spec.rank)
         base = comms._track(lambda: _connect_store(spec, join))
         comms.base_store = base
-        with _CREATE_LOCK:  # checks this gloo once, with its environment
-            lazy = spec.lazy_gloo and hasattr(base, "observer") and lazy_pairs_work()
-        if lazy:
-            comms.pairs = GlooPairs(spec.rank)
+        if comms.pairs is not None:
             base.observer = comms.pairs.saw
         store = comms.store = PrefixStore(spec.store_prefix, base)
         timeout = comms._creation_timeout(spec.backend)
@@ -544,7 +554,7 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
             lambda: _init_default(store, spec.backend, spec.rank, spec.world_size, timeout)
         )
         comms.default.set_timeout(timedelta(seconds=spec.timeout_s))
-        comms._connect_first(comms.default, "default", spec.backend, t0_monotonic)
+        comms._connect_first(comms.default, "default", spec.backend, t0)
     except Exception as e:
         if comms.aborted:
             comms.destroy()
@@ -559,7 +569,7 @@ def create_comms(spec: CommsSpec, register: Callable[[Comms], None]) -> Comms:
         spec.generation,
         spec.world_size,
         ", gloo pairs connect on first use" if comms.pairs is not None else "",
-        (time.perf_counter() - t0) * 1e3,
+        (time.monotonic() - t0) * 1e3,
     )
     return comms
 
