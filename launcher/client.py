@@ -22,7 +22,8 @@ standby joined learns of it there) and when none is left (``coordinators_lost``,
 a shutdown: to :meth:`next_event` and a callback), and hears where the checkpoint the job
 stopped with is.
 
-This module imports nothing from ``launcher`` but :mod:`launcher.protocol` and the event log.
+It imports from ``launcher`` only the wire (:mod:`launcher.protocol`, :mod:`launcher.link`,
+what a generation and a prepare message say) and the event log: no coordinator code.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from launcher import protocol
 from launcher.decisions import body_maps
 from launcher.events import EventLog
 from launcher.link import CoordinatorLinks
+from launcher.prepare import memory_spec
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +180,8 @@ class ControlClient:
             coordinator is left (``addresses``, ``silent_s``).
         on_store_moved: Called from the background thread with ``(host, port)`` of the
             rendezvous store when a standby that took over serves a new one.
+        on_prepare: For a spare: called from the background thread with ``(kind, buffers)``,
+            the buffers to allocate while it waits (:mod:`launcher.prepare`).
     """
 
     def __init__(
@@ -189,9 +193,11 @@ class ControlClient:
         on_interrupt: Callable[[dict[str, Any]], None] | None = None,
         on_coordinators_lost: Callable[[dict[str, Any]], None] | None = None,
         on_store_moved: Callable[[str, int], None] | None = None,
+        on_prepare: Callable[[str, tuple[int, ...]], None] | None = None,
     ) -> None:
         self.config = config
         self._on_store_moved = on_store_moved
+        self._on_prepare = on_prepare
         self.rank = rank
         self._on_generation = on_generation
         self._on_shutdown = on_shutdown
@@ -213,6 +219,7 @@ class ControlClient:
         self._last_arrived: tuple[dict[str, Any], int] | None = None
         self._arrival = PendingArrival()
         self._last_replicated: dict[str, Any] | None = None
+        self._last_memory: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="p2p-control-client", daemon=True)
@@ -223,6 +230,12 @@ class ControlClient:
     def report_replicated(self, step: int, generation: int = 0) -> None:
         """Tell the coordinator this rank has replicated ``step`` in ``generation``."""
         self._post(protocol.REPLICATED, {"step": int(step), "generation": int(generation)})
+
+    def report_memory(self, kind: str, buffers: Sequence[int], generation: int) -> None:
+        """Tell the coordinator the sizes of the snapshot and replica buffers this rank holds
+        in ``generation`` (of memory ``kind``), so idle spares can allocate theirs early."""
+        body = {"generation": int(generation), "kind": kind, "buffers": [int(n) for n in buffers]}
+        self._post(protocol.MEMORY, body)
 
     def report_error(self, reason: str, *, fatal: bool = False) -> None:
         """Report a failure of this rank.
@@ -486,6 +499,8 @@ class ControlClient:
                 self._last_ack = (body, gen)
             elif type_ == protocol.REPLICATED:
                 self._last_replicated = body
+            elif type_ == protocol.MEMORY:
+                self._last_memory = body
             links.send(type_, body, gen)
 
     def _receive(
@@ -503,6 +518,8 @@ class ControlClient:
                 links.send(protocol.ACK, *self._last_ack)
             if self._last_replicated is not None:
                 links.send(protocol.REPLICATED, self._last_replicated)
+            if self._last_memory is not None:
+                links.send(protocol.MEMORY, self._last_memory)
         for msg in received.messages:
             if msg.type == protocol.WELCOME:
                 # The store is the welcoming coordinator's: not the first one's where that one
@@ -513,6 +530,13 @@ class ControlClient:
                 self._welcome.set()
             elif msg.type == protocol.STANDBYS:
                 self._connect_standbys(links, poller, msg.body["addresses"])
+            elif msg.type == protocol.PREPARE and self._on_prepare is not None:
+                try:
+                    kind, buffers = memory_spec(msg.body)
+                except ValueError as e:
+                    logger.warning("ignored a prepare message: %s", e)
+                    continue
+                self._on_prepare(kind, buffers)
             elif msg.type == protocol.TAKEOVER:
                 # Later generations rendezvous through the new coordinator's store.
                 self.store_host = links.active.rsplit(":", 1)[0]

@@ -55,6 +55,7 @@ from launcher.decisions import (
 )
 from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
+from launcher.prepare import SpareMemory, memory_spec
 from launcher.store import StoreServer
 
 if sys.version_info >= (3, 11):
@@ -183,6 +184,8 @@ class Coordinator:
         self.over_quota = 0
         """Messages dropped because their connection was over its quota."""
         self.membership = Membership(config.membership)
+        self.spare_memory = SpareMemory()
+        """The ranks' buffer sizes, and what the idle spares were told to allocate."""
         self.events = EventLog(config.run_dir, self.identity)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -682,6 +685,11 @@ class Coordinator:
                 return
             self._send(msg.sender, protocol.WELCOME, self._welcome_body())
             self.events.write("hello", identity=msg.sender, role=proc.role, node=proc.node)
+            told = self.spare_memory.told
+            if told is not None and proc.role == "spare":
+                # Before the hello's decisions: a vacancy waiting for a spare gives it a rank
+                # at once, and its buffers should be on their way first.
+                self._send(msg.sender, protocol.PREPARE, {"kind": told[0], "buffers": told[1]})
             self._apply(self.membership.hello(proc, None if rank is None else int(rank), now))
         elif msg.type == protocol.HEARTBEAT:
             pass
@@ -699,6 +707,12 @@ class Coordinator:
                     msg.sender, int(body["step"]), None if generation is None else int(generation)
                 )
             )
+        elif msg.type == protocol.MEMORY:
+            kind, buffers = memory_spec(body)
+            if self.membership.rank_of(msg.sender) is None:
+                raise ValueError(f"{msg.sender} holds no rank and has no buffers to report")
+            self.spare_memory.report(msg.sender, int(body["generation"]), kind, buffers)
+            self._prepare_spares()
         elif msg.type == protocol.SCALE:
             size = int(body["size"])
             if not 1 <= size <= 1_000_000:
@@ -737,6 +751,22 @@ class Coordinator:
             )
         else:
             raise ValueError(f"{msg.type} is not a message the coordinator accepts")
+
+    def _prepare_spares(self) -> None:
+        """Once every rank of the generation reported its buffers, tell the idle spares what
+        to allocate if that changed (:mod:`launcher.prepare`)."""
+        spec = self.spare_memory.changed(
+            list(self.membership.ranks.values()), self.membership.generation
+        )
+        if spec is None:
+            return
+        kind, buffers = spec
+        self.events.write(
+            "spares_prepared", kind=kind, nbytes=sum(buffers), spares=list(self.membership.spares)
+        )
+        self._send_to_all(
+            list(self.membership.spares), protocol.PREPARE, {"kind": kind, "buffers": buffers}
+        )
 
     def _welcome_body(self) -> dict[str, Any]:
         return {

@@ -105,6 +105,8 @@ ENV_TIMELINE = "P2P_TIMELINE"
 HELLO = "hello"  # any process -> coordinator: identity, role, node, pid
 HEARTBEAT = "heartbeat"
 REPLICATED = "replicated"  # rank: {"step", "generation"}
+MEMORY = "memory"  # rank: {"generation", "kind", "buffers"}: the sizes of the snapshot and
+# replica buffers it holds in this generation (memory kind "gpu", "pinned" or "host")
 ERROR = "error"  # rank: {"reason"} (a collective failed or timed out)
 ACK = "ack"  # rank/spare: {"generation"}
 ARRIVED = "arrived"  # rank/spare: {"generation"}: it left its old generation's groups and is
@@ -117,6 +119,8 @@ EXITED = "exited"  # agent: {"identity", "pid", "code"}
 GENERATION = "generation"  # coordinator -> ranks and assigned spares (see launcher.client)
 KILL = "kill"  # coordinator -> agent: {"identity", "pid", "reason"}
 SPAWN_SPARE = "spawn_spare"  # coordinator -> agent
+PREPARE = "prepare"  # coordinator -> idle spares: {"kind", "buffers"}: buffers to allocate now,
+# enough to hold any rank's snapshots and replicas when the spare takes its place
 SHUTDOWN = "shutdown"  # coordinator -> everyone: {"reason", "code"}
 INTERRUPT = "interrupt"  # coordinator -> ranks: {"generation", "lost", "wait_s"}: a fault, and
 # the next generation comes within wait_s (a spare is awaited): stop, and wait for it
@@ -148,6 +152,7 @@ TYPES = frozenset(
         HELLO,
         HEARTBEAT,
         REPLICATED,
+        MEMORY,
         ERROR,
         ACK,
         ARRIVED,
@@ -157,6 +162,7 @@ TYPES = frozenset(
         GENERATION,
         KILL,
         SPAWN_SPARE,
+        PREPARE,
         SHUTDOWN,
         INTERRUPT,
         WELCOME,
@@ -188,6 +194,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     HEARTBEAT: {},
     REPLICATED: {"step": (_INT, True), "generation": (_OPT_INT, False)},
+    MEMORY: {"generation": (_INT, True), "kind": (_STR, True), "buffers": (_LIST, True)},
     ERROR: {"reason": (_STR, False), "fatal": ((bool,), False)},
     ACK: {"generation": (_INT, True)},
     ARRIVED: {"generation": (_INT, True)},
@@ -202,6 +209,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     GENERATION: {},
     KILL: {"identity": (_STR, True), "pid": (_INT, True), "reason": (_STR, False)},
     SPAWN_SPARE: {},
+    PREPARE: {"kind": (_STR, True), "buffers": (_LIST, True)},
     SHUTDOWN: {"reason": (_STR, False), "code": (_INT, False)},
     INTERRUPT: {},
     WELCOME: {

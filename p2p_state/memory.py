@@ -12,6 +12,7 @@ import enum
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -86,6 +87,8 @@ class BufferPool:
         self._lock = threading.Lock()
         self.reused_bytes = 0
         """Bytes handed out from given-back buffers (fresh allocations not counted)."""
+        self.fresh_bytes = 0
+        """Bytes handed out as fresh allocations, for want of a given-back buffer that fits."""
 
     def put(self, kind: MemoryKind, buffer: torch.Tensor) -> None:
         """Give ``buffer`` (1-D ``uint8`` of ``kind``) to the pool; its bytes are not kept."""
@@ -108,11 +111,139 @@ class BufferPool:
                 _, i = min(fits)
                 self.reused_bytes += nbytes
                 return self._free.pop(i)[1][:nbytes]
+            self.fresh_bytes += nbytes
         return allocate(nbytes, kind, device, prefault=False)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._free)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the buffers in the pool now."""
+        with self._lock:
+            return sum(b.numel() for _, b in self._free)
+
+
+class PreparedPool:
+    """Buffers allocated before they are needed, on a thread of their own: a hot spare's.
+
+    A spare learns from the coordinator the sizes of the buffers any rank's replicator holds
+    (:mod:`launcher.prepare`) and allocates them here while it waits, pinned, zeroed (every page
+    touched) or in GPU memory as the ranks keep theirs. When it takes a rank, its replicator's
+    slots come out of :meth:`take`'s pool instead of being allocated on the recovery's critical
+    path. What would not fit is not allocated (a warning says so): the replicator's own check
+    decides then, as on any rank.
+
+    Args:
+        device: The spare's training device (GPU memory is allocated there).
+        max_fraction: Largest share of the free memory of a kind the buffers may take.
+    """
+
+    def __init__(self, device: torch.device, max_fraction: float) -> None:
+        self.device = device
+        self.max_fraction = max_fraction
+        self._lock = threading.Lock()
+        self._spec: tuple[MemoryKind, tuple[int, ...]] | None = None
+        self._pool: BufferPool | None = None
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._done = False
+        self.prepared_bytes = 0
+        """Bytes allocated into the current pool so far."""
+        self.prepare_s = 0.0
+        """Seconds the current pool took to allocate (0 while it is being allocated)."""
+
+    def prepare(self, kind: MemoryKind, sizes: tuple[int, ...]) -> None:
+        """Hold buffers of ``sizes`` bytes of ``kind`` (the previous ones are let go unless
+        they already hold every size)."""
+        with self._lock:
+            if self._done:
+                return  # taken or closed: the spare holds a rank, with slots of its own
+            if self._spec is not None and self._spec[0] is kind and _holds(self._spec[1], sizes):
+                return
+            self._stop_locked()
+            self._spec, self._pool = (kind, sizes), BufferPool()
+            self.prepared_bytes, self.prepare_s = 0, 0.0
+            self._cancel = threading.Event()
+            self._thread = threading.Thread(
+                target=self._allocate,
+                args=(self._pool, kind, sizes, self._cancel),
+                name="p2p-prepare-memory",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def take(self, timeout_s: float = 60.0) -> BufferPool | None:
+        """The prepared pool (``None`` if none was asked for), once its allocation is done or
+        ``timeout_s`` passed (then with what it holds so far); the pool is the caller's."""
+        with self._lock:
+            thread, pool = self._thread, self._pool
+            self._spec, self._pool, self._thread, self._done = None, None, None, True
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                logger.warning(
+                    "the spare's buffers were not all allocated within %.0fs: the rest are "
+                    "allocated when first needed",
+                    timeout_s,
+                )
+                self._cancel.set()
+        return pool
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop allocating and let go of the buffers."""
+        with self._lock:
+            self._stop_locked(timeout_s)
+            self._spec, self._pool, self._done = None, None, True
+
+    def _stop_locked(self, timeout_s: float = 10.0) -> None:
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)  # one allocation at most: it checks between them
+            self._thread = None
+
+    def _allocate(
+        self,
+        pool: BufferPool,
+        kind: MemoryKind,
+        sizes: tuple[int, ...],
+        cancel: threading.Event,
+    ) -> None:
+        t0 = time.perf_counter()
+        size = pinned_footprint if kind is MemoryKind.PINNED else int
+        what = f"a spare's buffers for a rank's copies ({len(sizes)} buffers)"
+        try:
+            if kind is not MemoryKind.HOST and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+            check_fits({kind: sum(size(n) for n in sizes)}, self.device, self.max_fraction, what)
+            for n in sizes:
+                if cancel.is_set():
+                    return
+                pool.put(kind, allocate(n, kind, self.device, prefault=True))
+                self.prepared_bytes += n
+        except (InsufficientMemoryError, RuntimeError, ValueError) as e:
+            logger.warning("%s were not allocated ahead: %s", what, e)
+            return
+        self.prepare_s = time.perf_counter() - t0
+        logger.info(
+            "allocated %.1f MiB of %s memory for a rank's copies in %.2f s",
+            self.prepared_bytes / 2**20,
+            kind.value,
+            self.prepare_s,
+        )
+
+
+def _holds(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether buffers of sizes ``have`` give each of ``want`` one at least as large (largest
+    first, each the smallest free one that fits, as :meth:`BufferPool.take` hands them out)."""
+    free = sorted(have)
+    for n in sorted(want, reverse=True):
+        fits = [i for i, m in enumerate(free) if m >= n]
+        if not fits:
+            return False
+        free.pop(fits[0])
+    return True
 
 
 def available_bytes(kind: MemoryKind, device: torch.device) -> int:

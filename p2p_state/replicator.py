@@ -451,6 +451,18 @@ class Replicator:
         if verdict is not None:
             logger.warning("after the first training step: %s", verdict)
 
+    @property
+    def slot_sizes(self) -> list[int]:
+        """The sizes of this replicator's buffers: two slots of its own snapshot, two of each
+        replica it holds (what a spare allocates ahead to take this rank's place)."""
+        replicas = [b.nbytes for b in self.replicas.values()]
+        return [self.own.nbytes] * 2 + replicas * 2
+
+    @property
+    def slots_allocated(self) -> bool:
+        """Whether every slot has its buffer (slots taken from a pool get it when first written)."""
+        return self.own.allocated and all(b.allocated for b in self.replicas.values())
+
     def due(self, step: int) -> bool:
         """Whether :meth:`replicate` snapshots ``step`` (one step in ``interval_steps``)."""
         return step % self.config.interval_steps == 0

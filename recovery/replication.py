@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from p2p_state.memory import BufferPool
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery.checkpoint import ColdCheckpointer
@@ -41,6 +42,8 @@ class JobReplication:
         self.replicator: Replicator | None = None
         self.checkpointer: ColdCheckpointer | None = None
         self._last_replicated = -1
+        self._prepared: BufferPool | None = None
+        """A spare's buffers allocated ahead, until the replicator has taken its slots."""
 
     def form_groups(self) -> None:
         """Form this generation's groups besides the default one: the replication group, the
@@ -104,6 +107,9 @@ class JobReplication:
         # At the job's start the slots are prefaulted instead.
         if recovering and (left := self.stores.left_behind()):
             self._session.event("replication_workers_left_behind", workers=left)
+        if recovering and (prepared := self._session.take_prepared()) is not None:
+            self.stores.adopt(prepared)
+            self._prepared = prepared
         rep = Replicator(
             state,
             self._config.replication,
@@ -117,6 +123,8 @@ class JobReplication:
         )
         self.replicator = rep
         self.stores.add(rep, restored_step=step)
+        if self._session.client is not None:  # what a spare allocates to take this place
+            self._session.client.report_memory(rep.kind.value, rep.slot_sizes, rep.generation)
         self._last_replicated = step
         ckpt = self._config.checkpoint
         self.checkpointer = (
@@ -140,6 +148,9 @@ class JobReplication:
         if self.stores.has_old:
             self._release_old_stores(step)
         took = rep.replicate(step, extras())
+        if self._prepared is not None and rep.slots_allocated:
+            self._prepared_used(self._prepared)
+            self._prepared = None
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(step, extras())
         if not took:
@@ -230,6 +241,18 @@ class JobReplication:
                 given_bytes=released[0],
                 reused_bytes=released[1],
             )
+
+    def _prepared_used(self, pool: BufferPool) -> None:
+        """A spare's replicator holds all its slots: say how many came from the buffers it
+        allocated while it waited, and let go of the rest."""
+        info = self._session.info
+        self._session.event(
+            "prepared_memory_used",
+            generation=info.generation if info else 0,
+            reused_bytes=pool.reused_bytes,
+            fresh_bytes=pool.fresh_bytes,
+            unused_bytes=self.stores.drop_pool(),
+        )
 
     def _on_replicated(self, step: int) -> None:
         if self._session.client is not None:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from launcher.client import ClientConfig, ControlClient
+from p2p_state.config import ReplicationConfig
+from p2p_state.memory import BufferPool, MemoryKind, PreparedPool
 from recovery.comms import Comms, CommsSpec, Interrupted, create_comms
 from recovery.generation import GenerationInfo, decode_generation
 
@@ -101,6 +103,17 @@ class Session:
         self._shutdown: dict[str, Any] | None = None
         self._lost: list[str] | None = None
         self.client: ControlClient | None = None
+        self.prepared: PreparedPool | None = None
+        """A spare's buffers for the copies of the rank it will take (the coordinator says
+        their sizes while it waits)."""
+        if client_config is not None and client_config.role == "spare":
+            # The job's ReplicationConfig is only known in protect(): its default share.
+            fraction = ReplicationConfig().max_memory_fraction
+            cuda = device_type == "cuda"
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            )
+            self.prepared = PreparedPool(device, fraction)
         if client_config is not None:
             start_rank = int(os.environ["RANK"]) if client_config.role == "rank" else None
             self.client = ControlClient(
@@ -111,6 +124,7 @@ class Session:
                 on_interrupt=self._on_interrupt,
                 on_coordinators_lost=self._on_coordinators_lost,
                 on_store_moved=self._on_store_moved,
+                on_prepare=self._on_prepare if self.prepared is not None else None,
             )
 
     @property
@@ -146,6 +160,16 @@ class Session:
         comms = self.comms
         if comms is not None:
             comms.store_moved(host, port)
+
+    def _on_prepare(self, kind: str, buffers: tuple[int, ...]) -> None:
+        prepared = self.prepared
+        if prepared is not None:  # None once taken: the spare holds a rank and its own slots
+            prepared.prepare(MemoryKind(kind), buffers)
+
+    def take_prepared(self) -> BufferPool | None:
+        """A spare's buffers allocated ahead (see :attr:`prepared`), once; ``None`` if none."""
+        prepared, self.prepared = self.prepared, None
+        return prepared.take() if prepared is not None else None
 
     def _on_interrupt(self, body: dict[str, Any]) -> None:
         with self._cond:
@@ -351,6 +375,9 @@ class Session:
 
     def close(self) -> None:
         """Destroy the groups and stop the control-plane client."""
+        if self.prepared is not None:
+            self.prepared.close()
+            self.prepared = None
         if self.comms is not None:
             self.comms.destroy()
             self.comms = None

@@ -65,6 +65,20 @@ class GenerationStores:
         """
         return sum(store.left_behind() for store in self._stores)
 
+    def adopt(self, pool: BufferPool) -> None:
+        """Take the next replicator's slots from ``pool`` (a spare's buffers allocated ahead)
+        as well as from what older stores give back."""
+        assert self._pool is None and not self._stores, "a spare adopts before its first store"
+        self._pool = pool
+
+    def drop_pool(self) -> int:
+        """Let go of what is left in the pool once no slot will take from it (no older store
+        gives back into it any more); returns those bytes."""
+        if self._pool is None or self.has_old:
+            return 0
+        left, self._pool = self._pool.free_bytes, None
+        return left
+
     def recycle_for(self, step: int) -> BufferPool:
         """The pool the next replicator takes its slots from: every old buffer but those of the
         copies of ``step`` and of the last committed step (the fallback until the new copies

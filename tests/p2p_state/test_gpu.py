@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from launcher.local import WorkerGroupConfig, run_local
+from p2p_state.memory import MemoryKind, PreparedPool
 from tests.p2p_state import _gpu_workers
 
 pytestmark = [
@@ -106,3 +107,13 @@ def test_after_a_step_the_gpu_budget_is_checked_with_the_step_s_measured_peak():
         assert verdict is not None and "kept for the training step's peak" in verdict
     finally:
         torch.cuda.empty_cache()
+
+
+def test_a_spare_s_prepared_pinned_buffers_are_pinned():
+    device = torch.device("cuda", 0)
+    prepared = PreparedPool(device, max_fraction=0.8)
+    prepared.prepare(MemoryKind.PINNED, (1 << 20, 1 << 20))
+    pool = prepared.take(timeout_s=60)
+    assert pool is not None and pool.free_bytes == 2 << 20
+    slot = pool.take(1 << 20, MemoryKind.PINNED, device)
+    assert slot.is_pinned() and pool.fresh_bytes == 0

@@ -71,6 +71,13 @@ def test_sigkill_mid_step_is_replaced_by_a_spare_bitwise(tmp_path, data_cache, r
     assert all(e["given_bytes"] > 0 and e["reused_bytes"] > 0 for e in recycled), released
     # The pool was refilled.
     assert len(outcome.events("process_started", role="spare")) == 2
+    # The spare had allocated its slots while it waited, at the sizes the ranks reported
+    # (2 own slots, 2 per replica held): none was allocated on the recovery's path.
+    (told,) = outcome.events("spares_prepared")
+    assert told["kind"] == "host"
+    (used,) = outcome.events("prepared_memory_used")
+    assert used["source"] == assigned["identity"] and used["generation"] == 2
+    assert used["fresh_bytes"] == 0 and 0 < used["reused_bytes"] <= told["nbytes"], used
 
 
 def test_a_survivor_held_up_leaving_is_replaced_alone_and_the_rest_restore_from_peers(

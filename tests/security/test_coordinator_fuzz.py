@@ -331,3 +331,39 @@ def test_drop_logging_is_rate_limited(coordinator, tmp_path, caplog):
     drops = [e for e in read_events(tmp_path) if e["event"] == "message_dropped"]
     assert 1 <= len(drops) <= 20
     assert len(caplog.records) <= 20
+
+
+def test_buffer_sizes_are_taken_from_ranks_only_checked_and_told_once_all_ranks_reported(
+    coordinator, tmp_path
+):
+    ranks = [protocol.Codec(SECRET, "p2p-job", f"rank/{r}/0") for r in range(2)]
+    for r, codec in enumerate(ranks):
+        body = {"role": "rank", "node": r, "pid": 20 + r, "rank": r}
+        coordinator.handle_frames(_message(codec, protocol.HELLO, body))
+    spare = protocol.Codec(SECRET, "p2p-job", "spare/0/5")
+    coordinator.handle_frames(
+        _message(spare, protocol.HELLO, {"role": "spare", "node": 0, "pid": 30})
+    )
+    generation = coordinator.membership.generation
+    assert generation == 1
+
+    def report(codec, **body):
+        body = {"generation": generation, "kind": "host", "buffers": [64, 64], **body}
+        coordinator.handle_frames(_message(codec, protocol.MEMORY, body))
+
+    def told():
+        return [e for e in read_events(tmp_path) if e["event"] == "spares_prepared"]
+
+    report(spare)  # a spare holds no rank's buffers
+    for bad in ([0], ["64"], [True], [2**50], [1] * 65, 64):
+        report(ranks[0], buffers=bad)
+    report(ranks[0], kind="disk")
+    assert coordinator.dropped == 8 and not told()
+    report(ranks[0], buffers=[100, 100, 60, 60])
+    assert not told(), "rank 1 has not reported yet"
+    report(ranks[1], buffers=[110, 110, 50, 50])
+    (event,) = told()
+    assert event["spares"] == ["spare/0/5"] and event["nbytes"] == 340
+    assert coordinator.spare_memory.told == ("host", (110, 110, 60, 60))
+    report(ranks[0], buffers=[100, 100, 60, 60])
+    assert len(told()) == 1, "the same sizes are not told again"
