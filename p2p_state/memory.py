@@ -156,13 +156,15 @@ class PreparedPool:
 
     def prepare(self, kind: MemoryKind, sizes: tuple[int, ...]) -> None:
         """Hold buffers of ``sizes`` bytes of ``kind`` (the previous ones are let go unless
-        they already hold every size)."""
+        they already hold every size). Returns at once: they are allocated on a thread."""
         with self._lock:
             if self._done:
                 return  # taken or closed: the spare holds a rank, with slots of its own
             if self._spec is not None and self._spec[0] is kind and _holds(self._spec[1], sizes):
                 return
-            self._stop_locked()
+            # The previous allocation stops at its next buffer; not waited for here (this is
+            # the control client's thread, which must keep heartbeating).
+            self._cancel.set()
             self._spec, self._pool = (kind, sizes), BufferPool()
             self.prepared_bytes, self.prepare_s = 0, 0.0
             self._cancel = threading.Event()
@@ -192,16 +194,14 @@ class PreparedPool:
         return pool
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop allocating and let go of the buffers."""
+        """Stop allocating (waiting up to ``timeout_s`` for the buffer being allocated) and let
+        go of the buffers."""
         with self._lock:
-            self._stop_locked(timeout_s)
-            self._spec, self._pool, self._done = None, None, True
-
-    def _stop_locked(self, timeout_s: float = 10.0) -> None:
-        self._cancel.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)  # one allocation at most: it checks between them
-            self._thread = None
+            thread = self._thread
+            self._cancel.set()
+            self._spec, self._pool, self._thread, self._done = None, None, None, True
+        if thread is not None:
+            thread.join(timeout_s)
 
     def _allocate(
         self,
@@ -219,8 +219,11 @@ class PreparedPool:
             check_fits({kind: sum(size(n) for n in sizes)}, self.device, self.max_fraction, what)
             for n in sizes:
                 if cancel.is_set():
+                    return  # taken, closed or asked for other sizes meanwhile
+                buffer = allocate(n, kind, self.device, prefault=True)
+                if cancel.is_set():
                     return
-                pool.put(kind, allocate(n, kind, self.device, prefault=True))
+                pool.put(kind, buffer)
                 self.prepared_bytes += n
         except (InsufficientMemoryError, RuntimeError, ValueError) as e:
             logger.warning("%s were not allocated ahead: %s", what, e)

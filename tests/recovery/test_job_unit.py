@@ -64,6 +64,7 @@ def session() -> mock.MagicMock:
     s.info = _info(1)
     s.client = None
     s.device_type = "cpu"
+    s.take_prepared.return_value = None  # a rank: no spare's buffers allocated ahead
     s.comms = mock.create_autospec(Comms, instance=True)
     s.comms.aborted = False
     s.interrupt_time.return_value = None

@@ -249,8 +249,11 @@ NO_COORDINATOR = ("--coordinator-timeout", "6")
 
 @pytest.mark.parametrize(
     ("periodic", "lazy"),
-    [(False, False), (True, False), (False, True)],
-    ids=["no-checkpoints", "every-step", "no-checkpoints-lazy-gloo"],
+    # Without periodic checkpoints the stop checkpoint goes over the default group; with
+    # --lazy-gloo some of its pairs were never used (the harder case of that path, so the
+    # suite runs that one and not also the eager one).
+    [(True, False), (False, True)],
+    ids=["every-step", "no-checkpoints-lazy-gloo"],
 )
 def test_losing_every_coordinator_stops_at_an_agreed_step_with_a_checkpoint_resumed_bitwise(
     tmp_path, data_cache, reference, periodic, lazy
