@@ -106,30 +106,6 @@ def test_a_survivor_held_up_leaving_is_replaced_alone_and_the_rest_restore_from_
     assert kept <= first and held not in kept  # ranks 0 and 1 are the processes they were
 
 
-def test_sigkill_during_the_optimizer_step_and_during_replication(tmp_path, data_cache, reference):
-    outcome = run(
-        tmp_path,
-        data_cache,
-        faults=(
-            "kill:rank=2@step=3:phase=optimizer",
-            "during-replication:rank=0@step=6",
-        ),
-        spares=(1, 1),
-    )
-    assert_bitwise(outcome, reference)
-    assert len(outcome.events("fault")) == 2
-    assert {e["generation"] for e in outcome.events("recovery_done")} == {2, 3}
-
-
-def test_sigstop_is_detected_by_heartbeat_killed_and_replaced(tmp_path, data_cache, reference):
-    outcome = run(tmp_path, data_cache, faults=("hang:rank=3@step=4",))
-    assert_bitwise(outcome, reference)
-    (fault,) = outcome.events("fault")
-    assert "no heartbeat" in fault["reason"]
-    (killed,) = outcome.events("process_killed")
-    assert killed["reason"] == "missed heartbeats"
-
-
 def test_a_second_fault_during_recovery_starts_it_again(tmp_path, data_cache, reference):
     # Rank 1's shard is held by rank 3; rank 0 holds rank 3's and its own is held by rank 2,
     # so after losing ranks 1 and 0 every shard still has a copy.

@@ -108,9 +108,7 @@ def assert_exactly_once(outcome, reference, switch_at, steps):
     assert len(seen) == len(set(seen)), "a sample was read twice within the epoch"
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager-gloo", "lazy-gloo"])
-def test_shrink_after_a_sigkill_with_no_spare(tmp_path, data_cache, lazy):
-    # With --lazy-gloo the resharding restore's transfers use pairs no step used before.
+def test_shrink_after_a_sigkill_with_no_spare(tmp_path, data_cache):
     steps = 8
     elastic = _run(
         tmp_path,
@@ -119,14 +117,13 @@ def test_shrink_after_a_sigkill_with_no_spare(tmp_path, data_cache, lazy):
         steps=steps,
         faults=[parse_fault("kill:rank=3@step=5")],
         spares=(0, 0),
-        launcher_args=("--min-ranks", "3", "--spare-wait", "1", *(["--lazy-gloo"] * lazy)),
+        launcher_args=("--min-ranks", "3", "--spare-wait", "1"),
     )
     assert elastic.codes == [0, 0], elastic.job.output(0)[-3000:]
     (resize,) = elastic.events("resize")
     assert (resize["from"], resize["to"], resize["graceful"]) == (4, 3, False)
     done = elastic.events("recovery_done")
     assert {e["world_size"] for e in done} == {3} and len(done) == 3
-    assert {e["lazy_gloo"] for e in done} == {lazy}
     (switch_at,) = {e["step"] for e in done}
     assert sorted(elastic.results) == [0, 1, 2]
 
