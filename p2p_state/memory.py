@@ -8,11 +8,13 @@ host memory (the only kind on a CPU-only build).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -89,6 +91,8 @@ class BufferPool:
         """Bytes handed out from given-back buffers (fresh allocations not counted)."""
         self.fresh_bytes = 0
         """Bytes handed out as fresh allocations, for want of a given-back buffer that fits."""
+        self.lent_bytes = 0
+        """Bytes of the pool's buffers lent by :meth:`borrowed` (and given back)."""
 
     def put(self, kind: MemoryKind, buffer: torch.Tensor) -> None:
         """Give ``buffer`` (1-D ``uint8`` of ``kind``) to the pool; its bytes are not kept."""
@@ -100,6 +104,19 @@ class BufferPool:
 
         Either way its bytes are whatever they were (see :func:`allocate` without prefault).
         """
+        buffer, reused = self._take(nbytes, kind, device)
+        with self._lock:
+            if reused:
+                self.reused_bytes += nbytes
+            else:
+                self.fresh_bytes += nbytes
+        return buffer[:nbytes]
+
+    def _take(
+        self, nbytes: int, kind: MemoryKind, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
+        """The smallest buffer that fits, whole (a borrowed one goes back as it was), or a new
+        one; and whether it came from the pool."""
         where = torch.device(device) if kind is MemoryKind.GPU else torch.device("cpu")
         with self._lock:
             fits = [
@@ -109,10 +126,24 @@ class BufferPool:
             ]
             if fits:
                 _, i = min(fits)
-                self.reused_bytes += nbytes
-                return self._free.pop(i)[1][:nbytes]
-            self.fresh_bytes += nbytes
-        return allocate(nbytes, kind, device, prefault=False)
+                return self._free.pop(i)[1], True
+        return allocate(nbytes, kind, device, prefault=False), False
+
+    @contextlib.contextmanager
+    def borrowed(
+        self, nbytes: int, kind: MemoryKind, device: torch.device
+    ) -> Iterator[torch.Tensor]:
+        """A buffer of ``nbytes`` bytes for the ``with`` block (the smallest that fits, else a
+        new one), given to the pool after it (a restore's receive buffer, which a slot takes
+        next); counted in :attr:`lent_bytes`, not as handed out."""
+        buffer, reused = self._take(nbytes, kind, device)
+        if reused:
+            with self._lock:
+                self.lent_bytes += nbytes
+        try:
+            yield buffer[:nbytes]
+        finally:
+            self.put(kind, buffer)
 
     def __len__(self) -> int:
         with self._lock:

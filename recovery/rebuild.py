@@ -111,6 +111,8 @@ class Restore:
     world_size: int
     wire_device: torch.device
     snapshot_device: torch.device
+    receive_buffer: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None
+    """Lends the buffer the state is received into (a spare's prepared slots), if any."""
 
 
 def restore_state(
@@ -145,6 +147,7 @@ def restore_state(
             on_phase=lambda name: hooks.call(
                 "recovery_phase", phase=name, generation=rec.generation
             ),
+            receive_buffer=where.receive_buffer,
         )
         rec.phases[phases.PLAN] += outcome.plan_s
         rec.phases[phases.TRANSFER] = outcome.transfer_s
@@ -302,6 +305,7 @@ class Rebuilder:
             world_size=info.world_size,
             wire_device=census.wire_device,
             snapshot_device=snapshot_device(self._config.replication, state),
+            receive_buffer=self._copies.receive_buffer(state),
         )
         return restore_state(
             source,

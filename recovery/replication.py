@@ -8,17 +8,24 @@ and learns from the commit of replication whether every rank agreed on a gracefu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from p2p_state.memory import BufferPool
-from p2p_state.replicator import Replicator
+from p2p_state.replicator import Replicator, state_device
 from p2p_state.state import TrainingState
 from recovery.checkpoint import ColdCheckpointer
 from recovery.config import RecoveryConfig
-from recovery.devices import placement_of, replication_backend, training_device
+from recovery.devices import (
+    placement_of,
+    replication_backend,
+    snapshot_device,
+    training_device,
+)
 from recovery.errors import ConfigurationError
 from recovery.hooks import JobHooks
 from recovery.session import Session
@@ -85,6 +92,26 @@ class JobReplication:
         assert self._session.comms is not None
         return self._session.comms.group("checkpoint", "gloo")
 
+    def adopt_prepared(self) -> None:
+        """A spare that takes a rank: its slots (and the buffer it receives its state into)
+        come from the buffers it allocated while it waited, if any."""
+        if self._prepared is None and (prepared := self._session.take_prepared()) is not None:
+            self.stores.adopt(prepared)
+            self._prepared = prepared
+
+    def receive_buffer(
+        self, state: TrainingState
+    ) -> Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None:
+        """Where a restore into ``state`` receives its bytes: lent by a spare's prepared pool
+        (given back to it for a slot to take next), or ``None`` (a new buffer)."""
+        self.adopt_prepared()
+        pool = self._prepared
+        if pool is None:
+            return None
+        kind, _ = Replicator.backend_for(self._config.replication, state_device(state))
+        device = snapshot_device(self._config.replication, state)
+        return lambda nbytes: pool.borrowed(nbytes, kind, device)
+
     def start(
         self, state: TrainingState, step: int, extras: dict[str, Any], *, recovering: bool
     ) -> None:
@@ -107,9 +134,8 @@ class JobReplication:
         # At the job's start the slots are prefaulted instead.
         if recovering and (left := self.stores.left_behind()):
             self._session.event("replication_workers_left_behind", workers=left)
-        if recovering and (prepared := self._session.take_prepared()) is not None:
-            self.stores.adopt(prepared)
-            self._prepared = prepared
+        if recovering:
+            self.adopt_prepared()
         rep = Replicator(
             state,
             self._config.replication,
@@ -249,6 +275,7 @@ class JobReplication:
         self._session.event(
             "prepared_memory_used",
             generation=info.generation if info else 0,
+            lent_bytes=pool.lent_bytes,
             reused_bytes=pool.reused_bytes,
             fresh_bytes=pool.fresh_bytes,
             unused_bytes=self.stores.drop_pool(),

@@ -9,6 +9,7 @@ Afterwards the target buffer holds this rank's new state, ready for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -145,6 +146,7 @@ def restore_from_peers(
     timeout_s: float,
     wire_device: torch.device,
     on_phase: Callable[[str], None] | None = None,
+    receive_buffer: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
 ) -> RestoreOutcome:
     """Rebuild every member's state from the copies the members hold; collective over ``group``.
 
@@ -165,6 +167,9 @@ def restore_from_peers(
         wire_device: Device of the small control tensors on ``group`` (CUDA for NCCL).
         on_phase: Called with ``"transfer"`` and ``"restore"`` as each of these phases begins
             (the job's ``recovery_phase`` hook: faults are injected there).
+        receive_buffer: ``receive_buffer(nbytes)`` lends the buffer this member receives its
+            state into, for the transfer and the restore (a spare's prepared slots: no fresh
+            memory on the transfer's path); by default a new one on ``memory``.
 
     Raises:
         NoSurvivingCopy: no step has a copy of every shard (same answer on every member).
@@ -233,25 +238,29 @@ def restore_from_peers(
         and t.dst_start == 0
         and t.nbytes >= state.layout.total_bytes
     ]
-    if whole_own and len(plan.for_rank(rank)[1]) == 1:
-        # This rank's new state is exactly a copy it holds (a survivor of a replace): restore
-        # straight from it. It still serves the others.
-        target = verified[(source.world_size, whole_own[0].owner)][: state.layout.total_bytes]
-    else:
-        target = torch.empty(state.layout.total_bytes, dtype=torch.uint8, device=memory)
-    received = execute_plan(
-        plan,
-        rank,
-        group,
-        lambda owner: verified[(source.world_size, owner)],
-        target,
-        chunk_bytes=chunk_bytes,
-        timeout_s=timeout_s,
-    )
-    t2 = time.perf_counter()
-    if on_phase is not None:
-        on_phase(phases.RESTORE)
-    step, extras = state.restore(target)
+    with contextlib.ExitStack() as lent:
+        if whole_own and len(plan.for_rank(rank)[1]) == 1:
+            # This rank's new state is exactly a copy it holds (a survivor of a replace):
+            # restore straight from it. It still serves the others.
+            target = verified[(source.world_size, whole_own[0].owner)]
+            target = target[: state.layout.total_bytes]
+        elif receive_buffer is not None:
+            target = lent.enter_context(receive_buffer(state.layout.total_bytes))
+        else:
+            target = torch.empty(state.layout.total_bytes, dtype=torch.uint8, device=memory)
+        received = execute_plan(
+            plan,
+            rank,
+            group,
+            lambda owner: verified[(source.world_size, owner)],
+            target,
+            chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s,
+        )
+        t2 = time.perf_counter()
+        if on_phase is not None:
+            on_phase(phases.RESTORE)
+        step, extras = state.restore(target)
     assert step == source.step, (step, source.step)
     return RestoreOutcome(
         step=step,

@@ -61,3 +61,20 @@ def test_once_taken_or_closed_nothing_more_is_allocated():
     closed.close()
     closed.prepare(MemoryKind.HOST, (4096,))
     assert closed.take(timeout_s=1) is None
+
+
+def test_a_restore_borrows_a_prepared_buffer_and_gives_it_back_whole_for_a_slot():
+    prepared = PreparedPool(CPU, max_fraction=0.8)
+    prepared.prepare(MemoryKind.HOST, (8192, 4096))
+    pool = prepared.take(timeout_s=60)
+    assert pool is not None
+    with pool.borrowed(4000, MemoryKind.HOST, CPU) as target:
+        assert target.numel() == 4000 and pool.free_bytes == 8192  # the smallest that fits
+        target.fill_(7)
+    assert pool.lent_bytes == 4000 and pool.reused_bytes == pool.fresh_bytes == 0
+    assert pool.free_bytes == 8192 + 4096, "given back whole, not as the 4000 bytes lent"
+    slot = pool.take(4096, MemoryKind.HOST, CPU)  # a slot takes it next
+    assert slot.numel() == 4096 and pool.reused_bytes == 4096
+    with pool.borrowed(10_000, MemoryKind.HOST, CPU) as bigger:  # none fits: a new one
+        assert bigger.numel() == 10_000
+    assert pool.lent_bytes == 4000 and pool.free_bytes == 8192 + 10_000

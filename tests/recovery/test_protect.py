@@ -78,6 +78,8 @@ def test_sigkill_mid_step_is_replaced_by_a_spare_bitwise(tmp_path, data_cache, r
     (used,) = outcome.events("prepared_memory_used")
     assert used["source"] == assigned["identity"] and used["generation"] == 2
     assert used["fresh_bytes"] == 0 and 0 < used["reused_bytes"] <= told["nbytes"], used
+    # It received its state into one of them too (the whole state's buffer).
+    assert used["lent_bytes"] >= spare["bytes_received"], used
 
 
 def test_a_survivor_held_up_leaving_is_replaced_alone_and_the_rest_restore_from_peers(
