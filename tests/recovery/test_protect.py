@@ -108,23 +108,6 @@ def test_a_survivor_held_up_leaving_is_replaced_alone_and_the_rest_restore_from_
     assert kept <= first and held not in kept  # ranks 0 and 1 are the processes they were
 
 
-def test_a_second_fault_during_recovery_starts_it_again(tmp_path, data_cache, reference):
-    # Rank 1's shard is held by rank 3; rank 0 holds rank 3's and its own is held by rank 2,
-    # so after losing ranks 1 and 0 every shard still has a copy.
-    outcome = run(
-        tmp_path,
-        data_cache,
-        faults=("kill:rank=1@step=3:phase=backward", "during-recovery:rank=0@recovery=1"),
-        spares=(1, 1),
-    )
-    assert_bitwise(outcome, reference)
-    started = outcome.events("generation_started")
-    assert [g["generation"] for g in started] == [1, 2, 3]
-    assert len(outcome.events("fault")) == 2
-    done = outcome.events("recovery_done")
-    assert {e["generation"] for e in done} == {3}, "generation 2 never completed"
-
-
 def test_a_lost_node_is_replaced_by_spares_on_the_other_node_bitwise(
     tmp_path, data_cache, reference
 ):
@@ -137,25 +120,6 @@ def test_a_lost_node_is_replaced_by_spares_on_the_other_node_bitwise(
     done = outcome.events("recovery_done")
     assert done and {e["restored_from"] for e in done} == {"peers"}
     assert {e["rank"] for e in done if e["bytes_received"]} == {2, 3}
-
-
-def test_a_rank_and_its_buddy_lost_together_fall_back_to_the_checkpoint(
-    tmp_path, data_cache, reference
-):
-    ckpt = tmp_path / "ckpt"
-    outcome = run(
-        tmp_path,
-        data_cache,
-        faults=("kill-buddies:rank=1@step=6",),
-        spares=(1, 1),
-        launcher_args=("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"),
-    )
-    assert_bitwise(outcome, reference)
-    done = outcome.events("recovery_done")
-    assert {e["restored_from"] for e in done} == {"checkpoint"}
-    (step,) = {e["step"] for e in done}
-    # The latest checkpoint whose asynchronous save had completed when the fault hit.
-    assert step in (2, 4) and step in complete_steps(str(ckpt))
 
 
 def test_every_copy_lost_before_the_first_checkpoint_restarts_from_the_initial_state(
