@@ -392,7 +392,7 @@ class ScaleJob:
     step_s: float
     state_gib_per_gpu: float
     lazy_gloo: bool = False
-    """Its gloo groups connect pairs on first use (``--lazy-gloo``)."""
+    """Its gloo groups connect pairs on first use (``--lazy-gloo``, or by default at its size)."""
 
 
 @dataclass(slots=True)

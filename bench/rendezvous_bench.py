@@ -9,10 +9,10 @@ thread of the coordinator's store. Two ways, measured in one run at each size:
 - the engine's (:data:`recovery.comms.GLOO_ENVIRONMENT`, set for every group it makes): a member
   reads the addresses with one ``multi_get`` per 128 members, and an address is the same few
   hundred bytes at any size;
-- the engine's with ``p2p-run --lazy-gloo`` (:mod:`recovery.gloo_pairs`): a member reads only
-  the addresses of the pairs it connects while the group forms, its two ring neighbours
-  (:data:`bench.scale_model.LAZY_PAIRS`), each with gloo's ``wait`` and ``get``; pairs first used
-  later read theirs then, outside the rendezvous.
+- the engine's from 512 ranks, or with ``p2p-run --lazy-gloo`` (:mod:`recovery.gloo_pairs`): a
+  member reads only the addresses of the pairs it connects while the group forms, its two ring
+  neighbours (:data:`bench.scale_model.LAZY_PAIRS`), each with gloo's ``wait`` and ``get``;
+  pairs first used later read theirs then, outside the rendezvous.
 
 The store is the real one (:class:`launcher.store.StoreServer` in a process of its own, an HMAC
 on every frame), the members are emulated: ``--clients`` processes of real

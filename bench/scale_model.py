@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from recovery.gloo_pairs import pairs_on_first_use
+
 DATA = Path(__file__).with_name("data")
 LABELS = ("measured", "cited")
 GB = 1e9
@@ -282,7 +284,9 @@ class Job:
     storage: str = "parallel-fs"  # or "s3"
     replica_memory: str = "gpu"  # or "host" (pinned)
     placement: str = "ring"  # copies on the next nodes, or "same-node" (over NVLink)
-    lazy_gloo: bool = False  # gloo groups connect pairs on first use (p2p-run --lazy-gloo)
+    lazy_gloo: bool | None = None
+    """Gloo groups connect pairs on first use: ``p2p-run --lazy-gloo`` (``True``),
+    ``--eager-gloo`` (``False``), or neither (``None``: from ``LAZY_FROM_RANKS`` ranks)."""
 
     @property
     def nodes(self) -> int:
@@ -322,7 +326,7 @@ def recovery_phases(inp: Inputs, job: Job, *, node_fault: bool = False) -> dict[
         "interrupt": gen + inp["nccl_abort_s"].value,
         "communicators": inp["nccl_connect_s"].value
         + inp["nccl_lazy_init_s_per_1k_ranks"].value * n / 1024
-        + gloo_rendezvous_s(inp, n, lazy=job.lazy_gloo),
+        + gloo_rendezvous_s(inp, n, lazy=pairs_on_first_use(n, job.lazy_gloo)),
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s / (inp["hbm_gbps"].value * GB),
         "transfer": s * streams / bw,
@@ -466,7 +470,7 @@ def resize_phases(
     return {
         "communicators": inp["nccl_connect_s"].value
         + inp["nccl_lazy_init_s_per_1k_ranks"].value * to_gpus / 1024
-        + gloo_rendezvous_s(inp, to_gpus, lazy=job.lazy_gloo),
+        + gloo_rendezvous_s(inp, to_gpus, lazy=pairs_on_first_use(to_gpus, job.lazy_gloo)),
         "plan": gen + inp.get("plan_fixed_s", _zero).value,
         "build": inp["build_fixed_s"].value + s_new / (inp["hbm_gbps"].value * GB),
         "transfer": resize_transfer_s(inp, job, to_gpus, nodes=nodes, leaving=leaving),

@@ -30,6 +30,7 @@ from bench.bench_reports import (
 )
 from bench.fault_runs import UsageError
 from bench.scale_model import Input, Inputs, Job
+from recovery.gloo_pairs import LAZY_FROM_RANKS, pairs_on_first_use
 
 SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -61,10 +62,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", choices=("parallel-fs", "s3"), default="parallel-fs")
     p.add_argument("--replica-memory", choices=("gpu", "host"), default="gpu")
     p.add_argument("--placement", choices=("ring", "same-node"), default="ring")
-    p.add_argument(
+    gloo = p.add_mutually_exclusive_group()
+    gloo.add_argument(
         "--lazy-gloo",
-        action="store_true",
-        help="the job runs with p2p-run --lazy-gloo: its gloo groups connect pairs on first use",
+        dest="lazy_gloo",
+        action="store_const",
+        const=True,
+        help="the job runs with p2p-run --lazy-gloo: its gloo groups connect pairs on first use "
+        f"at every size (without either flag: from {LAZY_FROM_RANKS} ranks, as p2p-run does)",
+    )
+    gloo.add_argument(
+        "--eager-gloo",
+        dest="lazy_gloo",
+        action="store_const",
+        const=False,
+        help="the job runs with p2p-run --eager-gloo: its gloo groups connect every pair when "
+        "they are made, at every size",
     )
     p.add_argument("--trials", type=int, default=2000, help="Monte Carlo months (default 2000)")
     p.add_argument("--seed", type=int, default=0)
@@ -463,7 +476,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> ScaleRep
             placement=args.placement,
             step_s=sm.step_time_s(inp, args.gpus),
             state_gib_per_gpu=sm.state_bytes_per_gpu(inp, args.gpus) / 2**30,
-            lazy_gloo=args.lazy_gloo,
+            lazy_gloo=pairs_on_first_use(args.gpus, args.lazy_gloo),
         ),
         headline=headline,
         inputs=dict(sorted(inp.items())),

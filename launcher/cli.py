@@ -48,6 +48,7 @@ from launcher.coordinator import run as run_coordinator
 from launcher.events import read_events
 from launcher.membership import JOIN_FAILED, MembershipConfig
 from launcher.policy import ElasticConfig
+from recovery.gloo_pairs import LAZY_FROM_RANKS
 
 #: How long node 0 waits for its coordinator to listen.
 _COORDINATOR_START_S = 60.0
@@ -134,7 +135,14 @@ class RunOptions:
         False,
         flag="--lazy-gloo",
         help="gloo groups connect a pair of ranks the first time it is used, not every pair "
-        "when a generation forms: for jobs of thousands of ranks (docs/recovery.md)",
+        f"when a generation forms, at every size (the default from {LAZY_FROM_RANKS} ranks; "
+        "docs/recovery.md)",
+    )
+    eager_gloo: bool = setting(
+        False,
+        flag="--eager-gloo",
+        help="gloo groups connect every pair of ranks when a generation forms, at every size "
+        f"(the default below {LAZY_FROM_RANKS} ranks)",
     )
     secret_file: str | None = setting(
         None,
@@ -176,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "graceful_timeout_s",
     )
     add_flags(p, RunOptions, "checkpoint_dir", "checkpoint_every", "resume", "secret_file")
-    add_flags(p, RunOptions, "lazy_gloo")
+    add_flags(p, RunOptions, "lazy_gloo", "eager_gloo")
     add_flags(p, CoordinatorConfig, "env_store")
     add_flags(p, RunOptions, "module")
     p.add_argument("script", nargs="?", help="training script (or module with -m)")
@@ -246,6 +254,8 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
         raise UsageError("--heartbeat-timeout must be larger than --heartbeat-interval > 0")
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (where to resume from)")
+    if args.lazy_gloo and args.eager_gloo:
+        raise UsageError("--lazy-gloo and --eager-gloo contradict each other: give one of them")
     if args.checkpoint_every < 1:
         raise UsageError("--checkpoint-every must be >= 1")
     standby_nodes(args.standby_coordinators, args.nnodes)
@@ -430,8 +440,8 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str]:
         env[protocol.ENV_CHECKPOINT_EVERY] = str(args.checkpoint_every)
     if args.resume:
         env[protocol.ENV_RESUME] = "1"
-    if args.lazy_gloo:
-        env[protocol.ENV_LAZY_GLOO] = "1"
+    if args.lazy_gloo or args.eager_gloo:
+        env[protocol.ENV_LAZY_GLOO] = "1" if args.lazy_gloo else "0"
     return env
 
 

@@ -86,7 +86,9 @@ ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"
 ENV_RESUME = "P2P_RESUME"
 """``1``: start from the latest complete checkpoint (``--resume``)."""
 ENV_LAZY_GLOO = "P2P_LAZY_GLOO"
-"""``1``: gloo groups connect a pair on first use (``--lazy-gloo``, :mod:`recovery.gloo_pairs`)."""
+"""``1``: gloo groups connect a pair on first use (``--lazy-gloo``, :mod:`recovery.gloo_pairs`);
+``0``: every pair when made (``--eager-gloo``); unset: on first use from
+:data:`recovery.gloo_pairs.LAZY_FROM_RANKS` ranks."""
 ENV_JOB_HOOKS = "P2P_JOB_HOOKS"
 """Hooks attached to every protected job of the process: comma-separated ``module:function``
 names (:mod:`recovery.hooks`)."""

@@ -117,7 +117,7 @@ def init_process_group(
         timeout_s=timeout_s,
         device_type=device_type,
         backend=backend,
-        lazy_gloo=os.environ.get(ENV_LAZY_GLOO) == "1",
+        lazy_gloo={"1": True, "0": False}.get(os.environ.get(ENV_LAZY_GLOO, "")),
     )
     atexit.register(session.close)
     if client_config is None:

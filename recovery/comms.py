@@ -151,7 +151,8 @@ class CommsSpec:
     """Peer addresses never treated as a group's socket (the coordinator's control socket)."""
     lazy_gloo: bool = False
     """Gloo groups connect a pair of members the first time an operation uses it, not every
-    pair when made (:mod:`recovery.gloo_pairs`): forming a group then costs the store one
+    pair when made (:mod:`recovery.gloo_pairs`; the session sets it from
+    :func:`~recovery.gloo_pairs.pairs_on_first_use`): forming a group then costs the store one
     write a member instead of N reads (:meth:`Comms.share_addresses` gives the members the
     rest). Needs the authenticated store (its client tells which addresses gloo reads);
     without it, or where this gloo's addresses are not the ones understood, groups connect
@@ -508,7 +509,8 @@ def _set_group_environment(*, lazy_gloo: bool) -> None:
     if os.environ.get(ENV_GLOO_LAZY_INIT, lazy) != lazy:
         logger.warning(
             "%s=%s replaced by %s: the engine finds a group's sockets in an abort only as it "
-            "made them (p2p-run --lazy-gloo for pairs connected on first use)",
+            "made them (pairs connect on first use from 512 ranks; p2p-run --lazy-gloo or "
+            "--eager-gloo for one way at every size)",
             ENV_GLOO_LAZY_INIT,
             os.environ[ENV_GLOO_LAZY_INIT],
             lazy,

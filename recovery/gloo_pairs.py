@@ -42,6 +42,10 @@ numbers (none with ``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER``). :func:`lazy_pairs_w
 against the kernel once a process: a one-member lazy group's written address must be the
 listening socket that appeared when it was made. Where it is not (another gloo), groups are
 made eagerly, with a warning.
+
+Which generations connect on first use (:func:`pairs_on_first_use`): those of
+:data:`LAZY_FROM_RANKS` ranks or more, unless ``p2p-run --lazy-gloo`` or ``--eager-gloo``
+decides for every size.
 """
 
 from __future__ import annotations
@@ -72,8 +76,21 @@ _MAX_HOSTNAME_BYTES = 255
 #: How often :meth:`GlooPairs.reap` looks for sockets a connection under way made after a
 #: release (they may only appear until the groups are destroyed, soon after).
 REAP_INTERVAL_S = 0.02
+#: World size from which a generation's gloo groups connect pairs on first use by default: the
+#: first power of two at which the scale model's rendezvous of three lazily made groups costs
+#: less than that of three eager ones (0.53 s against 0.73 s at 512 ranks, 0.26 s against
+#: 0.24 s at 256; docs/scale-model.md). Below it the eager way costs no more, and its groups
+#: need no address sharing and have no pair left waiting for a peer when they are broken.
+LAZY_FROM_RANKS = 512
 
 Endpoint = tuple[str, int]
+
+
+def pairs_on_first_use(world_size: int, choice: bool | None = None) -> bool:
+    """Whether a generation of ``world_size`` ranks makes its gloo groups with pairs connected
+    on first use: ``choice`` where one was made (``--lazy-gloo``: ``True``, ``--eager-gloo``:
+    ``False``), else from :data:`LAZY_FROM_RANKS` ranks."""
+    return choice if choice is not None else world_size >= LAZY_FROM_RANKS
 
 
 def listener_of(record: bytes) -> Endpoint | None:

@@ -30,6 +30,7 @@ from p2p_state.config import ReplicationConfig
 from p2p_state.memory import BufferPool, MemoryKind, PreparedPool
 from recovery.comms import Comms, CommsSpec, Interrupted, create_comms
 from recovery.generation import GenerationInfo, decode_generation
+from recovery.gloo_pairs import pairs_on_first_use
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class Session:
         timeout_s: Collective timeout of every group (a last resort; faults interrupt).
         device_type: ``cuda`` or ``cpu``: which backends the groups use.
         backend: The default group's backend (default :func:`default_backend`).
-        lazy_gloo: Gloo groups connect a pair on first use (:attr:`CommsSpec.lazy_gloo`).
+        lazy_gloo: Gloo groups connect a pair on first use (:attr:`CommsSpec.lazy_gloo`):
+            ``True`` in every generation, ``False`` in none, ``None`` in those of
+            :data:`recovery.gloo_pairs.LAZY_FROM_RANKS` ranks or more.
     """
 
     def __init__(
@@ -84,7 +87,7 @@ class Session:
         timeout_s: float,
         device_type: str,
         backend: str | None = None,
-        lazy_gloo: bool = False,
+        lazy_gloo: bool | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.lazy_gloo = lazy_gloo
@@ -323,7 +326,7 @@ class Session:
             if info.graceful
             else min(self.timeout_s, info.ack_timeout_s / 2),
             ignore_peers=tuple(_address(a) for a in self.client.config.coordinators),
-            lazy_gloo=self.lazy_gloo,
+            lazy_gloo=pairs_on_first_use(info.world_size, self.lazy_gloo),
         )
         comms = create_comms(spec, self._register)
         with self._cond:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from bench import scale_goodput as gp
 from bench import scale_model as sm
 from bench.scale_model import Input, Job
+from recovery.gloo_pairs import LAZY_FROM_RANKS
 
 
 def _inputs(**over: float) -> sm.Inputs:
@@ -58,14 +59,14 @@ def test_a_node_fault_waits_for_the_heartbeat_timeout():
 
 def test_gloo_groups_cost_the_store_a_request_per_128_members_each():
     inp = _inputs()
-    without = sm.recovery_phases(inp, Job(gpus=2048))["communicators"]
+    without = sm.recovery_phases(inp, Job(gpus=2048, lazy_gloo=False))["communicators"]
     inp.update(sm.rendezvous_inputs(sm.load("measured"), 2048))
     inp = sm.with_value(sm.with_value(inp, "store_request_s", 1e-4), "gloo_groups", 3)
     # 2,048 members each write one address and read 2,048 in 16 requests, three groups.
     assert sm.gloo_rendezvous_s(inp, 2048) == pytest.approx(3 * 2048 * 17 * 1e-4)
-    added = sm.recovery_phases(inp, Job(gpus=2048))["communicators"] - without
+    added = sm.recovery_phases(inp, Job(gpus=2048, lazy_gloo=False))["communicators"] - without
     assert added == pytest.approx(3 * 2048 * 17 * 1e-4)
-    grown = sm.resize_phases(inp, Job(gpus=2048), 2056)["communicators"]
+    grown = sm.resize_phases(inp, Job(gpus=2048, lazy_gloo=False), 2056)["communicators"]
     assert grown - sm.gloo_rendezvous_s(inp, 2056) == pytest.approx(without, rel=0.01)
     # Quadratic in ranks: eight times the ranks, about 64 times the store's work.
     assert sm.gloo_rendezvous_s(inp, 16384) / sm.gloo_rendezvous_s(inp, 2048) > 60
@@ -82,13 +83,35 @@ def test_with_lazy_gloo_a_member_reads_the_two_addresses_of_its_ring_pairs():
     assert sm.gloo_rendezvous_s(inp, 2048, lazy=True) == pytest.approx(expected)
     ratio = sm.gloo_rendezvous_s(inp, 16384, lazy=True) / sm.gloo_rendezvous_s(inp, 2048, lazy=True)
     assert ratio == pytest.approx(8, rel=0.01)
-    eager = sm.recovery_phases(inp, Job(gpus=16384))["communicators"]
+    eager = sm.recovery_phases(inp, Job(gpus=16384, lazy_gloo=False))["communicators"]
     lazy = sm.recovery_phases(inp, Job(gpus=16384, lazy_gloo=True))["communicators"]
     assert eager - lazy == pytest.approx(
         sm.gloo_rendezvous_s(inp, 16384) - sm.gloo_rendezvous_s(inp, 16384, lazy=True)
     )
     measured = sm.rendezvous_inputs(sm.load("measured"), 2048)["lazy_request_s"]
     assert measured.label == "measured" and "--lazy-gloo" in measured.source
+
+
+def test_groups_connect_pairs_on_first_use_by_default_from_where_that_costs_the_store_less():
+    # The default size is read off the model with the measured store costs: at LAZY_FROM_RANKS
+    # the three lazily made groups cost less than three eager ones, at half of it not. A new
+    # rendezvous measurement that moves the crossover fails here, and the constant moves too.
+    def costs(n: int) -> tuple[float, float]:
+        inp = _inputs()
+        inp.update(sm.rendezvous_inputs(sm.load("measured"), n))
+        return sm.gloo_rendezvous_s(inp, n), sm.gloo_rendezvous_s(inp, n, lazy=True)
+
+    eager, lazy = costs(LAZY_FROM_RANKS)
+    assert lazy < eager
+    eager, lazy = costs(LAZY_FROM_RANKS // 2)
+    assert eager <= lazy
+    inp = _inputs()
+    inp.update(sm.rendezvous_inputs(sm.load("measured"), 2048))
+    for gpus, lazy in ((LAZY_FROM_RANKS // 2, False), (LAZY_FROM_RANKS, True), (16384, True)):
+        chosen = sm.recovery_phases(inp, Job(gpus=gpus))["communicators"]
+        assert chosen == sm.recovery_phases(inp, Job(gpus=gpus, lazy_gloo=lazy))["communicators"]
+        other = sm.recovery_phases(inp, Job(gpus=gpus, lazy_gloo=not lazy))["communicators"]
+        assert chosen != other
 
 
 def test_the_store_cost_per_request_is_the_rendezvous_bench_s():

@@ -123,13 +123,18 @@ def test_own_model_and_hardware_figures(tmp_path):
     assert rep.inputs["ib_gbps"].value == 25
 
 
-def test_lazy_gloo_shortens_the_communicators_of_a_large_job():
+def test_lazy_gloo_shortens_the_communicators_of_a_large_job_and_is_its_default():
     measured = sm.load("measured")
-    eager = scale_report.build_report(_args("--gpus", "16384", "--trials", "5"), measured)
+    eager = scale_report.build_report(
+        _args("--gpus", "16384", "--trials", "5", "--eager-gloo"), measured
+    )
     lazy = scale_report.build_report(
         _args("--gpus", "16384", "--trials", "5", "--lazy-gloo"), measured
     )
+    default = scale_report.build_report(_args("--gpus", "16384", "--trials", "5"), measured)
     assert lazy.job.lazy_gloo is True and eager.job.lazy_gloo is False
+    assert default.job.lazy_gloo is True
+    assert default.scenarios["checkpointless k=1"] == lazy.scenarios["checkpointless k=1"]
     phases = {n: r.scenarios["checkpointless k=1"].phases_s for n, r in (("e", eager), ("l", lazy))}
     assert phases["l"]["communicators"] < phases["e"]["communicators"] / 10
     assert {k: v for k, v in phases["l"].items() if k != "communicators"} == {

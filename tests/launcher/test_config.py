@@ -140,3 +140,26 @@ def test_an_event_tail_reads_only_what_was_appended_and_waits_for_a_line_to_end(
         f.write(line[20:] + b"not json\n")
     assert [e["event"] for e in tail.read()] == ["hello", "generation_started"]
     log.close()
+
+
+def test_gloo_pairs_connect_on_first_use_from_a_size_unless_a_flag_decides_for_every_size():
+    from launcher.cli import UsageError, _engine_env
+    from launcher.protocol import ENV_LAZY_GLOO
+    from recovery.gloo_pairs import LAZY_FROM_RANKS, pairs_on_first_use
+
+    def env(*flags: str) -> str | None:
+        args = build_parser().parse_args(["--nnodes", "2", "--nproc-per-node", "2", *flags])
+        _resolve(args, {})
+        _validate(args, script=False)
+        return _engine_env(args).get(ENV_LAZY_GLOO)
+
+    # The ranks read the variable as the choice (recovery.api) and decide by size without it.
+    assert (env(), env("--lazy-gloo"), env("--eager-gloo")) == (None, "1", "0")
+    with pytest.raises(UsageError, match="--lazy-gloo and --eager-gloo contradict"):
+        env("--lazy-gloo", "--eager-gloo")
+    assert [pairs_on_first_use(n) for n in (2, LAZY_FROM_RANKS - 1, LAZY_FROM_RANKS)] == [
+        False,
+        False,
+        True,
+    ]
+    assert pairs_on_first_use(2, True) and not pairs_on_first_use(16384, False)

@@ -52,6 +52,8 @@ def test_sigkill_mid_step_is_replaced_by_a_spare_bitwise(tmp_path, data_cache, r
     done = outcome.events("recovery_done", generation=2)
     assert sorted(e["rank"] for e in done) == [0, 1, 2, 3]
     assert {e["restored_from"] for e in done} == {"peers"}
+    # Four ranks, no flag: gloo groups connect every pair when made (LAZY_FROM_RANKS).
+    assert {e["lazy_gloo"] for e in done} == {False}
     # Every rank rolled back to the same committed step (2, or 1 if step 2's replication was
     # still in flight) and every survivor went through every phase.
     (step,) = {e["step"] for e in done}
