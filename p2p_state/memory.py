@@ -90,7 +90,8 @@ class BufferPool:
         self.reused_bytes = 0
         """Bytes handed out from given-back buffers (fresh allocations not counted)."""
         self.fresh_bytes = 0
-        """Bytes handed out as fresh allocations, for want of a given-back buffer that fits."""
+        """Bytes handed out or lent as fresh allocations, for want of a given-back buffer that
+        fits."""
         self.lent_bytes = 0
         """Bytes of the pool's buffers lent by :meth:`borrowed` (and given back)."""
 
@@ -135,11 +136,13 @@ class BufferPool:
     ) -> Iterator[torch.Tensor]:
         """A buffer of ``nbytes`` bytes for the ``with`` block (the smallest that fits, else a
         new one), given to the pool after it (a restore's receive buffer, which a slot takes
-        next); counted in :attr:`lent_bytes`, not as handed out."""
+        next); counted in :attr:`lent_bytes` (or :attr:`fresh_bytes`), not as handed out."""
         buffer, reused = self._take(nbytes, kind, device)
-        if reused:
-            with self._lock:
+        with self._lock:
+            if reused:
                 self.lent_bytes += nbytes
+            else:
+                self.fresh_bytes += nbytes
         try:
             yield buffer[:nbytes]
         finally:

@@ -33,7 +33,7 @@ from recovery.hooks import JobHooks
 from recovery.planner import Source
 from recovery.records import RecoveryRecord
 from recovery.replication import JobReplication
-from recovery.restore import describe_census, gather_copies, restore_from_peers
+from recovery.restore import ReceiveBuffer, describe_census, gather_copies, restore_from_peers
 from recovery.session import Session
 from recovery.source import RestoreSource, choose_restore_source
 from recovery.warmup import Build, building_for_restore, capture_rng, restore_rng
@@ -111,8 +111,9 @@ class Restore:
     world_size: int
     wire_device: torch.device
     snapshot_device: torch.device
-    receive_buffer: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None
-    """Lends the buffer the state is received into (a spare's prepared slots), if any."""
+    receive_buffer: ReceiveBuffer | None = None
+    """Lends the buffer the state is received into (a spare's prepared slots, a survivor's old
+    ones), if any."""
 
 
 def restore_state(

@@ -8,11 +8,9 @@ and learns from the commit of replication whether every rank agreed on a gracefu
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from p2p_state.memory import BufferPool
@@ -28,6 +26,7 @@ from recovery.devices import (
 )
 from recovery.errors import ConfigurationError
 from recovery.hooks import JobHooks
+from recovery.restore import ReceiveBuffer
 from recovery.session import Session
 from recovery.stores import GenerationStores
 
@@ -99,18 +98,23 @@ class JobReplication:
             self.stores.adopt(prepared)
             self._prepared = prepared
 
-    def receive_buffer(
-        self, state: TrainingState
-    ) -> Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None:
-        """Where a restore into ``state`` receives its bytes: lent by a spare's prepared pool
-        (given back to it for a slot to take next), or ``None`` (a new buffer)."""
+    def receive_buffer(self, state: TrainingState) -> ReceiveBuffer | None:
+        """Where a restore into ``state`` receives its bytes, lent by the pool the next
+        replicator's slots come from and given back to it for a slot to take next: a spare's
+        prepared pool, or the one a survivor's old stores give their memory to (all but the
+        copies of the restored step and of the last committed step, which the restore and a
+        fault before the next commit may read; :meth:`GenerationStores.recycle_for`). ``None``
+        with neither (a new buffer)."""
         self.adopt_prepared()
-        pool = self._prepared
-        if pool is None:
-            return None
         kind, _ = Replicator.backend_for(self._config.replication, state_device(state))
         device = snapshot_device(self._config.replication, state)
-        return lambda nbytes: pool.borrowed(nbytes, kind, device)
+        prepared = self._prepared
+        if prepared is not None:
+            return lambda nbytes, step: prepared.borrowed(nbytes, kind, device)
+        if not self.stores.all:
+            return None
+        stores = self.stores
+        return lambda nbytes, step: stores.recycle_for(step).borrowed(nbytes, kind, device)
 
     def start(
         self, state: TrainingState, step: int, extras: dict[str, Any], *, recovering: bool
@@ -266,6 +270,7 @@ class JobReplication:
                 step=step,
                 given_bytes=released[0],
                 reused_bytes=released[1],
+                lent_bytes=released[2],
             )
 
     def _prepared_used(self, pool: BufferPool) -> None:

@@ -30,6 +30,10 @@ from recovery.planner import RestorePlan, Source, choose_source, plan_restore, s
 
 logger = logging.getLogger(__name__)
 
+ReceiveBuffer = Callable[[int, int], contextlib.AbstractContextManager[torch.Tensor]]
+"""``receive_buffer(nbytes, step)``: lends the buffer a restore of ``step`` receives ``nbytes``
+bytes into, for the transfer and the restore."""
+
 
 def execute_plan(
     plan: RestorePlan,
@@ -146,7 +150,7 @@ def restore_from_peers(
     timeout_s: float,
     wire_device: torch.device,
     on_phase: Callable[[str], None] | None = None,
-    receive_buffer: Callable[[int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
+    receive_buffer: ReceiveBuffer | None = None,
 ) -> RestoreOutcome:
     """Rebuild every member's state from the copies the members hold; collective over ``group``.
 
@@ -167,9 +171,9 @@ def restore_from_peers(
         wire_device: Device of the small control tensors on ``group`` (CUDA for NCCL).
         on_phase: Called with ``"transfer"`` and ``"restore"`` as each of these phases begins
             (the job's ``recovery_phase`` hook: faults are injected there).
-        receive_buffer: ``receive_buffer(nbytes)`` lends the buffer this member receives its
-            state into, for the transfer and the restore (a spare's prepared slots: no fresh
-            memory on the transfer's path); by default a new one on ``memory``.
+        receive_buffer: Lends the buffer this member receives its state into (a spare's
+            prepared slots, a survivor's old ones: no fresh memory on the transfer's path);
+            by default a new one on ``memory``.
 
     Raises:
         NoSurvivingCopy: no step has a copy of every shard (same answer on every member).
@@ -245,7 +249,7 @@ def restore_from_peers(
             target = verified[(source.world_size, whole_own[0].owner)]
             target = target[: state.layout.total_bytes]
         elif receive_buffer is not None:
-            target = lent.enter_context(receive_buffer(state.layout.total_bytes))
+            target = lent.enter_context(receive_buffer(state.layout.total_bytes, source.step))
         else:
             target = torch.empty(state.layout.total_bytes, dtype=torch.uint8, device=memory)
         received = execute_plan(

@@ -103,12 +103,13 @@ class GenerationStores:
         self._stores.insert(0, replicator)
         self._restored_step = restored_step
 
-    def release_old(self) -> tuple[int, int] | None:
+    def release_old(self) -> tuple[int, int, int] | None:
         """Once the current replicator's copy of the restored step has committed everywhere,
         give the old stores' memory to the pool and forget them.
 
         Returns:
-            ``(given_bytes, reused_bytes)``, or ``None`` while the old copies are still needed.
+            ``(given_bytes, reused_bytes, lent_bytes)`` (``lent_bytes``: lent to the restore as
+            its receive buffer), or ``None`` while the old copies are still needed.
         """
         if not self.has_old or self._stores[0].committed_step < self._restored_step:
             return None
@@ -116,7 +117,7 @@ class GenerationStores:
         given = sum(old.give_back(pool) for old in self._stores[1:])
         self._stores = self._stores[:1]
         self._pool = None
-        return given, pool.reused_bytes
+        return given, pool.reused_bytes, pool.lent_bytes
 
     def clear(self) -> None:
         """Stop every replicator and forget them (the job is over)."""

@@ -78,3 +78,4 @@ def test_a_restore_borrows_a_prepared_buffer_and_gives_it_back_whole_for_a_slot(
     with pool.borrowed(10_000, MemoryKind.HOST, CPU) as bigger:  # none fits: a new one
         assert bigger.numel() == 10_000
     assert pool.lent_bytes == 4000 and pool.free_bytes == 8192 + 10_000
+    assert pool.fresh_bytes == 10_000

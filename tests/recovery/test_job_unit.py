@@ -347,8 +347,44 @@ def test_old_generations_give_back_all_but_the_restored_step_then_the_rest_once_
     assert stores.all == [new, old] and stores.has_old
     assert stores.release_old() is None  # the new copy of step 5 is not committed yet
     new.committed_step = 5
-    assert stores.release_old() == (100, pool.reused_bytes)
+    assert stores.release_old() == (100, pool.reused_bytes, pool.lent_bytes)
     assert old.given == [{5, -1}, set()] and stores.all == [new] and not stores.has_old
+
+
+def test_a_survivors_restore_receives_into_memory_its_old_stores_give_back(session, monkeypatch):
+    import torch
+
+    from p2p_state.memory import MemoryKind
+    from recovery import replication
+    from recovery.hooks import JobHooks
+
+    class Old(FakeStore):  # an abandoned replicator: a copy of step 5 and a slot of step 4
+        def give_back(self, pool, keep=()) -> int:
+            self.given.append(set(keep))
+            if len(self.given) > 1:
+                return 0
+            pool.put(MemoryKind.HOST, torch.full((4096,), 9, dtype=torch.uint8))
+            return 4096
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(replication, "state_device", lambda state: cpu)
+    monkeypatch.setattr(replication, "snapshot_device", lambda config, state: cpu)
+    copies = replication.JobReplication(session, RecoveryConfig(), JobHooks())
+    assert copies.receive_buffer(mock.Mock()) is None  # nothing held: a new buffer
+    old = Old()
+    copies.stores.add(old, restored_step=3)
+    copies.break_off()
+    lend = copies.receive_buffer(mock.Mock())
+    assert lend is not None and old.given == []  # nothing given back before the plan's step
+    with lend(4000, 5) as target:
+        # Every buffer but the copies of the step restored and of the last committed one,
+        # which the restore and a fault before the next commit read: the step 4 slot.
+        assert old.given == [{5, -1}] and target.numel() == 4000
+        target.fill_(1)
+    # Given back whole for the new replicator's first slot, which recycle_for hands it.
+    pool = copies.stores.recycle_for(5)
+    assert (pool.lent_bytes, pool.fresh_bytes, pool.free_bytes) == (4000, 0, 4096)
+    assert pool.take(4096, MemoryKind.HOST, cpu).numel() == 4096 and pool.reused_bytes == 4096
 
 
 def test_a_user_error_during_a_recovery_shuts_the_job_down(session):

@@ -182,6 +182,10 @@ def test_grow_into_a_node_that_joins(tmp_path, data_cache):
         e["step"] for e in job.events("step_done") if e["t"] < min(d["t"] for d in done)
     ]
     assert switch_at == max(before_switch)
+    # The three survivors received their new shards (smaller, in a world of four) into buffers
+    # their old copies gave back, as their new slots will be: no fresh memory on that path.
+    released = job.events("previous_copies_released")
+    assert len(released) == 3 and all(e["lent_bytes"] > 0 for e in released), released
 
     import json
 
