@@ -35,13 +35,13 @@ times as long whether a dump was made or not, and destroying the group joins the
 survivor missed the next generation's acknowledgement deadline and was replaced (both seen on
 an H100).
 
-With ``CommsSpec.lazy_gloo`` (``p2p-run --lazy-gloo``) gloo groups connect a pair on first
-use instead (:mod:`recovery.gloo_pairs`, which also finds and releases their sockets in an abort),
-and each runs one all-reduce while forming, which connects its ring pairs within the join
-deadline; once the generation's groups are formed the members share their addresses over the
-ring (:meth:`Comms.share_addresses`), so a pair first used later never needs the store. When a
-standby coordinator takes over, the generation's store client moves to its store
-(:meth:`Comms.store_moved`).
+With ``CommsSpec.lazy_gloo`` (generations of 512 ranks or more, or ``p2p-run --lazy-gloo``)
+gloo groups connect a pair on first use instead (:mod:`recovery.gloo_pairs`, which also finds
+and releases their sockets in an abort), and each runs one all-reduce while forming, which
+connects its ring pairs within the join deadline; once the generation's groups are formed the
+members share their addresses over the ring (:meth:`Comms.share_addresses`), so a pair first
+used later never needs the store. When a standby coordinator takes over, the generation's store
+client moves to its store (:meth:`Comms.store_moved`).
 
 And with :data:`GLOO_ENVIRONMENT`: a gloo group's creation reads every member's address from
 the store; those addresses stay a few hundred bytes at any world size and are read with one
