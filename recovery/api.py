@@ -55,6 +55,7 @@ from recovery.checkpoint import CheckpointConfig
 from recovery.comms import Interrupted
 from recovery.config import RecoveryConfig
 from recovery.errors import EXIT_OK, ConfigurationError, RecoveryFailed, exit_code_of
+from recovery.gloo_pairs import LAZY_FROM_RANKS
 from recovery.job import ProtectedJob
 from recovery.session import JobEnded, NotAMember, Session, default_backend, device_type_of_job
 from recovery.warmup import restoring as _restoring
@@ -63,6 +64,20 @@ from recovery.warmup import warm_up
 logger = logging.getLogger(__name__)
 
 _session: Session | None = None
+
+
+def _gloo_pairs_choice(value: str) -> bool | None:
+    """``P2P_LAZY_GLOO`` as p2p-run sets it: ``1`` (``--lazy-gloo``), ``0`` (``--eager-gloo``)
+    or unset (by world size, :func:`recovery.gloo_pairs.pairs_on_first_use`)."""
+    if value not in ("", "0", "1"):
+        logger.warning(
+            "%s=%r is neither 1 (pairs on first use) nor 0 (every pair when made): ignored, "
+            "gloo groups connect pairs on first use from %d ranks",
+            ENV_LAZY_GLOO,
+            value,
+            LAZY_FROM_RANKS,
+        )
+    return {"1": True, "0": False}.get(value)
 
 
 def init_process_group(
@@ -117,7 +132,7 @@ def init_process_group(
         timeout_s=timeout_s,
         device_type=device_type,
         backend=backend,
-        lazy_gloo={"1": True, "0": False}.get(os.environ.get(ENV_LAZY_GLOO, "")),
+        lazy_gloo=_gloo_pairs_choice(os.environ.get(ENV_LAZY_GLOO, "")),
     )
     atexit.register(session.close)
     if client_config is None:

@@ -163,3 +163,14 @@ def test_gloo_pairs_connect_on_first_use_from_a_size_unless_a_flag_decides_for_e
         True,
     ]
     assert pairs_on_first_use(2, True) and not pairs_on_first_use(16384, False)
+
+
+def test_a_gloo_pairs_setting_neither_1_nor_0_is_ignored_with_a_warning(caplog):
+    import logging
+
+    from recovery.api import _gloo_pairs_choice
+
+    assert [_gloo_pairs_choice(v) for v in ("1", "0", "")] == [True, False, None]
+    with caplog.at_level(logging.WARNING, logger="recovery.api"):
+        assert _gloo_pairs_choice("yes") is None
+    assert "P2P_LAZY_GLOO='yes' is neither 1" in caplog.text and "from 512 ranks" in caplog.text
