@@ -65,7 +65,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from recovery.gloo_pairs import ENV_GLOO_LAZY_INIT, GlooPairs, lazy_pairs_work
+from recovery.gloo_pairs import ENV_GLOO_LAZY_INIT, LAZY_FROM_RANKS, GlooPairs, lazy_pairs_work
 from recovery.sockets import shutdown_socket, tcp_sockets
 
 if TYPE_CHECKING:
@@ -509,11 +509,12 @@ def _set_group_environment(*, lazy_gloo: bool) -> None:
     if os.environ.get(ENV_GLOO_LAZY_INIT, lazy) != lazy:
         logger.warning(
             "%s=%s replaced by %s: the engine finds a group's sockets in an abort only as it "
-            "made them (pairs connect on first use from 512 ranks; p2p-run --lazy-gloo or "
+            "made them (pairs connect on first use from %d ranks; p2p-run --lazy-gloo or "
             "--eager-gloo for one way at every size)",
             ENV_GLOO_LAZY_INIT,
             os.environ[ENV_GLOO_LAZY_INIT],
             lazy,
+            LAZY_FROM_RANKS,
         )
     os.environ[ENV_GLOO_LAZY_INIT] = lazy
     for name, (value, why) in GROUP_ENVIRONMENT.items():
