@@ -105,19 +105,13 @@ class BufferPool:
 
         Either way its bytes are whatever they were (see :func:`allocate` without prefault).
         """
-        buffer, reused = self._take(nbytes, kind, device)
-        with self._lock:
-            if reused:
-                self.reused_bytes += nbytes
-            else:
-                self.fresh_bytes += nbytes
-        return buffer[:nbytes]
+        return self._take(nbytes, kind, device, lent=False)[:nbytes]
 
     def _take(
-        self, nbytes: int, kind: MemoryKind, device: torch.device
-    ) -> tuple[torch.Tensor, bool]:
+        self, nbytes: int, kind: MemoryKind, device: torch.device, *, lent: bool
+    ) -> torch.Tensor:
         """The smallest buffer that fits, whole (a borrowed one goes back as it was), or a new
-        one; and whether it came from the pool."""
+        one; counted as lent or reused, or as fresh."""
         where = torch.device(device) if kind is MemoryKind.GPU else torch.device("cpu")
         with self._lock:
             fits = [
@@ -127,8 +121,15 @@ class BufferPool:
             ]
             if fits:
                 _, i = min(fits)
-                return self._free.pop(i)[1], True
-        return allocate(nbytes, kind, device, prefault=False), False
+                if lent:
+                    self.lent_bytes += nbytes
+                else:
+                    self.reused_bytes += nbytes
+                return self._free.pop(i)[1]
+        buffer = allocate(nbytes, kind, device, prefault=False)
+        with self._lock:
+            self.fresh_bytes += nbytes
+        return buffer
 
     @contextlib.contextmanager
     def borrowed(
@@ -137,12 +138,7 @@ class BufferPool:
         """A buffer of ``nbytes`` bytes for the ``with`` block (the smallest that fits, else a
         new one), given to the pool after it (a restore's receive buffer, which a slot takes
         next); counted in :attr:`lent_bytes` (or :attr:`fresh_bytes`), not as handed out."""
-        buffer, reused = self._take(nbytes, kind, device)
-        with self._lock:
-            if reused:
-                self.lent_bytes += nbytes
-            else:
-                self.fresh_bytes += nbytes
+        buffer = self._take(nbytes, kind, device, lent=True)
         try:
             yield buffer[:nbytes]
         finally:
