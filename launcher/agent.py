@@ -320,8 +320,10 @@ class Agent:
             s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
         }
         try:
+            self.events.write("agent_hello", node=cfg.node_rank, coordinator=cfg.coordinator)
             first = self._await_welcome(
                 links,
+                wake_r,
                 {
                     "role": "agent",
                     "node": cfg.node_rank,
@@ -330,6 +332,8 @@ class Agent:
                     "nproc_per_node": cfg.nproc_per_node,
                 },
             )
+            if first is None:
+                return self._interrupted()
             if first.type == protocol.SHUTDOWN:
                 reason = first.body.get("reason", "")
                 raise AgentError(f"the coordinator refused this node: {reason}")
@@ -361,15 +365,21 @@ class Agent:
             ctx.term()
             self.events.close()
 
-    def _await_welcome(self, links: CoordinatorLinks, hello: dict[str, Any]) -> protocol.Message:
+    def _await_welcome(
+        self, links: CoordinatorLinks, wake_r: int, hello: dict[str, Any]
+    ) -> protocol.Message | None:
         """Say hello until the coordinator's first answer (welcome or shutdown) comes; anything
         else is dropped. An unanswered hello goes again every ``_HELLO_RETRY_S`` on a fresh
-        connection (a coordinator over its connection cap refused the last one)."""
+        connection (a coordinator over its connection cap refused the last one). ``None``: a
+        SIGINT or SIGTERM came first (woken through ``wake_r``)."""
         cfg = self.config
         sock = links.active_socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
         deadline = time.monotonic() + cfg.welcome_timeout_s
         next_hello, first = time.monotonic(), True
-        while True:
+        while self._signal is None:
             now = time.monotonic()
             if now >= next_hello:
                 if not first:
@@ -382,14 +392,25 @@ class Agent:
                     f"no answer from the coordinator at {cfg.coordinator} within "
                     f"{cfg.welcome_timeout_s:.0f}s; check --coordinator and that node 0 runs"
                 )
-            if not sock.poll(int(min(left_s, next_hello - now) * 1000)):
+            ready = dict(poller.poll(int(min(left_s, next_hello - now) * 1000)))
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+            if sock not in ready:
                 continue
             for msg in self.codec.drain(sock):
                 if msg.type in (protocol.WELCOME, protocol.SHUTDOWN):
                     return msg
+        return None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signal = signum
+
+    def _interrupted(self) -> int:
+        """The exit code of a node stopped by ``self._signal`` (its children are terminated on
+        the way out of :meth:`run`)."""
+        assert self._signal is not None
+        self.events.write("agent_interrupted", signal=self._signal)
+        return 128 + self._signal
 
     def _serve(self, links: CoordinatorLinks, wake_r: int) -> int:
         next_beat = 0.0
@@ -412,8 +433,7 @@ class Agent:
                     if code is not None:
                         return code
             if self._signal is not None:
-                self.events.write("agent_interrupted", signal=self._signal)
-                return 128 + self._signal
+                return self._interrupted()
             silent = time.monotonic() - self._heard
             if silent > self.config.coordinator_timeout_s:
                 raise self._stop_without_coordinator(list(links.sockets), silent, wake_r)

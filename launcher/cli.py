@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             on_end=_report_end,
         )
-        if coordinator is not None:
+        if coordinator is not None and code < 128:  # not stopped by a signal: it ends by itself
             try:
                 coordinator.wait(timeout=10)
             except subprocess.TimeoutExpired:

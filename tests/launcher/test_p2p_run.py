@@ -78,6 +78,24 @@ def test_ctrl_c_leaves_no_process_behind(start_job):
     wait_for(lambda: not any(alive(p) for p in pids), "every process of the job to exit", 15)
 
 
+def test_a_node_waiting_for_its_welcome_stops_on_sigterm_at_once(start_job):
+    # A node whose coordinator does not answer (stopped here) says hello until --join-timeout
+    # (300 s by default); a SIGTERM or a Ctrl-C must still stop it at once.
+    job = start_job(nnodes=2, nproc=1, spares=(0, 0), launcher_args=["--max-ranks", "3"])
+    job.wait_event("generation_complete", generation=1)
+    coordinator = job.coordinator_info()["pid"]
+    os.kill(coordinator, signal.SIGSTOP)
+    try:
+        job.add_node(2)
+        job.wait_event("agent_hello", node=2)
+        job.nodes[2].send_signal(signal.SIGTERM)
+        assert job.nodes[2].wait(timeout=20) == 128 + signal.SIGTERM
+        (stopped,) = job.events("agent_interrupted", source="agent/2")
+        assert stopped["signal"] == signal.SIGTERM
+    finally:
+        os.kill(coordinator, signal.SIGCONT)
+
+
 def test_losing_both_coordinators_stops_every_node(start_job):
     job = start_job(launcher_args=["--coordinator-timeout", "3"])
     job.wait_event("generation_complete", generation=1)
