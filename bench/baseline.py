@@ -27,6 +27,7 @@ from typing import Any
 
 from bench.faults import COORDINATOR_KINDS, Fault
 from bench.runner import CPU_ONLY, SHARED_GPU, example_args
+from bench.workdir import fresh_run_dir
 from launcher.events import read_json_lines
 from launcher.protocol import ENV_INJECT, ENV_TIMELINE
 
@@ -80,10 +81,8 @@ def run_baseline(
     Raises:
         TimeoutError: the run outlived ``timeout_s`` (it is killed first).
     """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(run_dir)
     timeline_path = run_dir / "timeline.jsonl"
-    timeline_path.unlink(missing_ok=True)
     out = run_dir / "out"
     ckpt = checkpoint_dir or str(run_dir / "checkpoints")
     # There is no recovery to hit, a bit flip is not a crash, and a restarted job has no

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from bench import fault_runs
+from bench.errors import UsageError
 from bench.phases import RestartedFault
 from bench.reports import BaselineSummary
 
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the checkpoint-restart job with the faults and report."""
     faults = fault_runs.resolve_faults(args)
     if not faults:
-        raise fault_runs.UsageError("give at least one --fault or --random N")
+        raise UsageError("give at least one --fault or --random N")
     report = fault_runs.new_report("baseline", args, faults)
     with fault_runs.progress(args, runs=1) as progress:
         section = fault_runs.run_restart(args, faults, progress)

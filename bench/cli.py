@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
 #: subcommand -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -76,7 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
-    from bench.fault_runs import BenchFailed, UsageError
+    from bench.workdir import finish_work_dir, temporary_work_dir
+
+    temporary = temporary_work_dir(args)
+    code = 1
+    try:
+        code = _run(module, args)
+    finally:
+        if temporary is not None:
+            finish_work_dir(temporary, code)
+    return code
+
+
+def _run(module: ModuleType, args: argparse.Namespace) -> int:
+    """The subcommand's exit code; its usage errors and failures as one line."""
+    from bench.errors import BenchFailed, UsageError
 
     try:
         return int(module.run(args) or 0)

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.fault and not args.random:
         args.fault = [DEFAULT_FAULT]
     faults = fault_runs.resolve_faults(args)
+    fault_runs.refuse_used_checkpoint_dirs(args, "checkpointless", "restart")
     report = fault_runs.new_report("compare", args, faults)
     with fault_runs.progress(args, runs=3) as progress:
         checkpointless = fault_runs.run_checkpointless(args, faults, progress)

@@ -53,7 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.fault_runs import BenchFailed
+from bench.errors import BenchFailed
 from bench.reports import ControlPlaneReport, ControlPlaneSize, Takeover
 
 if TYPE_CHECKING:

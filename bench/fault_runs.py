@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench import phases
 from bench.baseline import run_baseline
+from bench.errors import UsageError
 from bench.faults import COORDINATOR_KINDS, Fault, parse_fault, random_faults
 from bench.reports import (
     BaselineSummary,
@@ -42,18 +43,10 @@ from bench.reports import (
     RestartRun,
 )
 from bench.runner import JobOutcome, bitwise_differences, run_example, run_script
+from bench.workdir import WORK_DIR_HELP
 
 if TYPE_CHECKING:
     from bench.report import LiveProgress
-
-
-class UsageError(ValueError):
-    """A bad flag value: reported as one line, exit code 2."""
-
-
-class BenchFailed(RuntimeError):
-    """A measurement could not be made (a job or coordinator did not get where the bench
-    waits for it): reported as one line, exit code 1."""
 
 
 def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_every: int) -> None:
@@ -93,10 +86,11 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
     p.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="where checkpoints go: a directory or an fsspec URL (default: in the run dir)",
+        help="where checkpoints go: a directory or an fsspec URL, each mode's in a folder of its "
+        "own (checkpointless/, restart/); default: in the run's folder",
     )
     p.add_argument("--out-dir", default=None, help="report folder (default reports/<kind>-<time>)")
-    p.add_argument("--work-dir", default=None, help="where runs keep their files (default tmp)")
+    p.add_argument("--work-dir", default=None, help=WORK_DIR_HELP)
     p.add_argument(
         "--reference-cache",
         default=None,
@@ -205,7 +199,40 @@ def killed_nodes(faults: list[Fault]) -> set[int]:
 
 
 def _work_dir(args: argparse.Namespace) -> Path:
+    # p2p-bench gives every command a work dir (bench/workdir.py); a caller of these functions
+    # from Python may not.
     return Path(args.work_dir or tempfile.mkdtemp(prefix="p2p-bench-"))
+
+
+def checkpoint_dir(args: argparse.Namespace, mode: str) -> str | None:
+    """Where ``mode``'s run writes its checkpoints under ``--checkpoint-dir`` (None without it:
+    then in the run's own folder).
+
+    Each mode has a folder of its own there, so that the restart run of ``compare`` never
+    resumes from the checkpointless run's checkpoints.
+    """
+    return f"{args.checkpoint_dir.rstrip('/')}/{mode}" if args.checkpoint_dir else None
+
+
+def refuse_used_checkpoint_dirs(args: argparse.Namespace, *modes: str) -> None:
+    """Check, before any run, that no mode would start from an earlier run's checkpoints.
+
+    Raises:
+        UsageError: a mode's folder under ``--checkpoint-dir`` already holds checkpoints.
+    """
+    for mode in modes:
+        folder = checkpoint_dir(args, mode)
+        if folder is None:
+            continue
+        from recovery.checkpoint import complete_steps  # torch's DCP: only when it is needed
+
+        steps = complete_steps(folder)
+        if steps:
+            raise UsageError(
+                f"--checkpoint-dir {args.checkpoint_dir}: {folder} already holds checkpoints of "
+                f"steps {steps} from an earlier run, which this run would start from: remove "
+                "them or give an empty --checkpoint-dir"
+            )
 
 
 def run_checkpointless(
@@ -216,6 +243,7 @@ def run_checkpointless(
     reference: bool = True,
 ) -> CheckpointlessRun:
     """The engine's run with the faults (and the fault-free reference); its report section."""
+    refuse_used_checkpoint_dirs(args, "checkpointless")
     work = _work_dir(args)
     common = {
         "nnodes": args.nnodes,
@@ -236,7 +264,7 @@ def run_checkpointless(
     if args.checkpoint_every:
         # The cold fallback for a shard lost with every copy of it: by design (kill-buddies),
         # or by faults close together (a rank and its holders within one recovery).
-        ckpt = args.checkpoint_dir or str(work / "checkpointless-ckpt")
+        ckpt = checkpoint_dir(args, "checkpointless") or str(work / "checkpointless/checkpoints")
         launcher += ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
     spares = spares_for(faults, args.nnodes, args.nproc_per_node, getattr(args, "replicas", 1))
     progress.run_started("checkpointless", args.steps)
@@ -334,6 +362,7 @@ def run_restart(
     args: argparse.Namespace, faults: list[Fault], progress: LiveProgress
 ) -> RestartRun:
     """The checkpoint-restart baseline with the same faults; its report section."""
+    refuse_used_checkpoint_dirs(args, "restart")
     work = _work_dir(args)
     progress.run_started("checkpoint-restart", args.steps)
     run = run_baseline(
@@ -343,7 +372,7 @@ def run_restart(
         world_size=args.nnodes * args.nproc_per_node,
         ranks_per_node=args.nproc_per_node,
         checkpoint_every=args.checkpoint_every,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=checkpoint_dir(args, "restart"),
         faults=faults,
         cache_dir=str(work / "cache"),
         timeout_s=args.timeout,

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from bench.bench_reports import CheckError, CheckResult, GpuCheckReport, ReplicateReport
-from bench.fault_runs import UsageError, machine
+from bench.errors import UsageError
+from bench.fault_runs import machine
 
 #: The project's root: the sub-runs are started from it.
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from bench.fault_runs import BenchFailed
+from bench.errors import BenchFailed
 from bench.reports import HostileReport
 from launcher import protocol
 

@@ -23,6 +23,7 @@ import argparse
 from pathlib import Path
 
 from bench import fault_runs
+from bench.errors import UsageError
 from bench.reports import InjectSummary
 
 
@@ -52,15 +53,15 @@ def run(args: argparse.Namespace) -> int:
     """Run the checkpointless job with the faults and report."""
     faults = fault_runs.resolve_faults(args)
     if args.script is None and args.script_args:
-        raise fault_runs.UsageError(
+        raise UsageError(
             f"unexpected arguments {' '.join(args.script_args)}: only a --script takes them"
         )
     if args.script is not None and not Path(args.script).is_file():
-        raise fault_runs.UsageError(f"--script {args.script}: no such file")
+        raise UsageError(f"--script {args.script}: no such file")
     if args.script is not None:
         args.script = str(Path(args.script).resolve())
     if not faults:
-        raise fault_runs.UsageError("give at least one --fault or --random N")
+        raise UsageError("give at least one --fault or --random N")
     report = fault_runs.new_report("inject", args, faults)
     with fault_runs.progress(args, runs=1 if args.no_reference else 2) as progress:
         section = fault_runs.run_checkpointless(

@@ -46,7 +46,7 @@ from typing import Any
 
 from bench.bench_reports import HostInfo, RendezvousPattern, RendezvousReport, RendezvousSize
 from bench.control_plane_bench import process_cpu_s
-from bench.fault_runs import UsageError
+from bench.errors import UsageError
 from bench.scale_model import GLOO_BATCH, LAZY_PAIRS
 
 #: Bytes of a gloo TCP address: a ``sockaddr_storage`` and a sequence number.

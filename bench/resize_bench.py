@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import run_baseline
-from bench.fault_runs import BenchFailed, UsageError
+from bench.errors import BenchFailed, UsageError
 from bench.reports import DcpResize, InPlaceResize, InPlaceRun, ResizeReport
 from bench.runner import EXAMPLE
+from bench.workdir import WORK_DIR_HELP, fresh_run_dir
 from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS, ENV_RUN_DIR
 from launcher.testing import LocalJob
 from recovery.records import CAUSE_JOINED as JOINED
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="example", help="tiny, small or example (default)")
     p.add_argument("--steps", type=int, default=16, help="steps of the in-place run")
     p.add_argument("--dcp-steps", type=int, default=3, help="steps before the DCP resize")
-    p.add_argument("--work-dir", default=None, help="where runs keep their files (default tmp)")
+    p.add_argument("--work-dir", default=None, help=WORK_DIR_HELP)
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
     p.add_argument(
         "--step-time",
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _in_place(args: argparse.Namespace, work: Path) -> InPlaceRun:
-    run_dir = work / "in-place"
+    run_dir = fresh_run_dir(work / "in-place")
     job = LocalJob(
         run_dir,
         nnodes=3,
@@ -177,7 +178,7 @@ def _resizes(job: LocalJob) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]
 
 
 def _through_dcp(args: argparse.Namespace, work: Path, before: int, after: int) -> DcpResize:
-    ckpt = work / f"dcp-{before}-to-{after}"
+    ckpt = fresh_run_dir(work / f"dcp-{before}-to-{after}")
     common = {"model": args.model, "ranks_per_node": 1, "cache_dir": str(work / "cache")}
     first = run_baseline(
         work / f"dcp-{before}",

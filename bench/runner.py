@@ -17,6 +17,7 @@ from typing import Any
 
 from bench import probe
 from bench.faults import Fault, to_env
+from bench.workdir import fresh_run_dir
 from launcher.protocol import ENV_INJECT, ENV_JOB_HOOKS, ENV_PROBE_DIR
 from launcher.testing import LocalJob
 
@@ -98,7 +99,7 @@ def run_script(
     NCCL (:mod:`bench.shared_gpu`) so the emulated nodes share this machine's GPUs; ``None``
     leaves the environment as it is.
     """
-    run_dir = Path(run_dir)
+    run_dir = fresh_run_dir(run_dir)
     if device == "cuda":
         script, script_args = SHARED_GPU, [script, *script_args]
     extra, env = dict(env or {}), {ENV_JOB_HOOKS: probe.HOOK}

@@ -28,7 +28,7 @@ from bench.bench_reports import (
     ValidationRow,
     WorstHeldOut,
 )
-from bench.fault_runs import UsageError
+from bench.errors import UsageError
 from bench.scale_model import Input, Inputs, Job
 from recovery.gloo_pairs import LAZY_FROM_RANKS, pairs_on_first_use
 

@@ -54,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 2 <= args.kill_at <= args.steps:
         p.error(f"--kill-at must be between 2 and --steps ({args.steps})")
 
+    from bench.errors import UsageError
+
+    try:
+        return _run(args)
+    except UsageError as e:  # --run-dir holding what no earlier demo left there
+        p.error(str(e))
+
+
+def _run(args: argparse.Namespace) -> int:
     from bench.faults import parse_fault
     from bench.runner import bitwise_differences, run_example
 

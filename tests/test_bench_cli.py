@@ -115,7 +115,7 @@ def test_bad_bench_input_is_one_line(capsys):
 
 def test_a_measurement_that_cannot_be_made_is_one_line_and_exit_code_1(capsys, monkeypatch):
     import bench.data_bench
-    from bench.fault_runs import BenchFailed
+    from bench.errors import BenchFailed
 
     why = "no generation_complete within 960s (9 of 16 ranks joined)"
 
@@ -169,6 +169,8 @@ def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(
         "kill:rank=1@step=5",
         "--checkpoint-every",
         "3",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
         "--out-dir",
         str(out),
         "--work-dir",
@@ -177,6 +179,12 @@ def test_compare_measures_both_modes_and_the_checkpointless_run_is_bitwise(
     )
     assert summary["bitwise_equal"] is True
     assert summary["downtime_reduction_pct"] is not None
+    # Each mode checkpoints in a folder of its own: the restart run never starts from the
+    # engine's checkpoints (the step it restored, below, is its own).
+    from recovery.checkpoint import complete_steps
+
+    assert complete_steps(str(tmp_path / "ckpt" / "checkpointless"))
+    assert complete_steps(str(tmp_path / "ckpt" / "restart")) == [3, 6]
     assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", "phases.png"}
     report = _report(out)
     (ours,) = report["modes"]["checkpointless"]["faults"]
@@ -450,6 +458,14 @@ def test_recover_fires_a_fault_in_the_transfer_phase_of_the_recovery(capsys, tmp
 
 
 def test_baseline_bench(capsys, tmp_path):
+    # The work dir holds an earlier run's folder with a checkpoint of a later step (not even a
+    # loadable one): the run starts afresh, so the fault still loses a step.
+    from bench.workdir import RUN_MARK
+
+    earlier = tmp_path / "work" / "restart" / "checkpoints" / "step-3"
+    earlier.mkdir(parents=True)
+    (earlier / ".metadata").write_bytes(b"an earlier run's")
+    (tmp_path / "work" / "restart" / RUN_MARK).touch()
     summary = _run(
         capsys,
         "baseline",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import baseline, fault_runs, runner
-from bench.fault_runs import UsageError
+from bench.errors import UsageError
 from bench.reports import JobInfo
 
 

@@ -17,7 +17,7 @@ import torch
 
 from bench import gpu_check
 from bench.bench_reports import CheckError, GpuCheckReport
-from bench.fault_runs import UsageError
+from bench.errors import UsageError
 from bench.gpu_state_checks import bitwise_restore, rebuild_peak, replicate_blocking, stream_race
 
 CPU = torch.device("cpu")

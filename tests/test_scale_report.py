@@ -10,7 +10,7 @@ import pytest
 
 from bench import scale_model as sm
 from bench import scale_report
-from bench.fault_runs import UsageError
+from bench.errors import UsageError
 from bench.scale_model import LABELS
 
 
