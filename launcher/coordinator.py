@@ -15,11 +15,11 @@ coordinator's membership (:mod:`launcher.mirror`, pushed by the active one whene
 and before any new generation goes out), and when the active one falls silent for
 ``takeover_timeout_s`` (``--takeover-timeout``) it asks the agents for their votes in the next
 *term*. An agent votes only when it has lost the active coordinator too, and once it votes it
-obeys no older term; with the votes of more than half the job's nodes the standby takes over:
-it starts its own rendezvous store, tells every process (``takeover``), restarts a recovery
-that was in progress, and acts from then on. Every message
-carries its sender's term; a coordinator that receives a newer term than its own was replaced
-and stops (docs/launcher.md, "No single point of failure").
+obeys no older term (:mod:`launcher.standby`); with the votes of more than half the job's nodes
+the standby takes over: it starts its own rendezvous store, tells every process (``takeover``),
+restarts a recovery that was in progress, and acts from then on. Every message carries its
+sender's term; a coordinator that receives a newer term than its own was replaced and stops
+(docs/launcher.md, "No single point of failure").
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import signal
 import sys
 import time
@@ -56,6 +55,7 @@ from launcher.decisions import (
 from launcher.events import EventLog
 from launcher.membership import Membership, MembershipConfig
 from launcher.prepare import SpareMemory, memory_spec
+from launcher.standby import StandbyLink
 from launcher.store import StoreServer
 
 if sys.version_info >= (3, 11):
@@ -72,10 +72,6 @@ _DRAIN_BATCH = 1000
 #: The least :meth:`CoordinatorConfig.connection_cap` is (larger jobs get four per rank).
 DEFAULT_CONNECTION_CAP = 4096
 COORDINATOR_IDENTITY = protocol.COORDINATOR
-#: How often a standby that lost the active coordinator asks the agents again for their vote.
-_VOTE_RETRY_S = 0.2
-#: A standby's unanswered hellos after which it connects to the active coordinator afresh.
-_RECONNECT_EVERY = 10
 #: How often the active coordinator mirrors a changed membership between generations.
 _MIRROR_EVERY_S = 0.5
 
@@ -167,13 +163,11 @@ class Coordinator:
         self.config = config
         secret = protocol.read_secret(config.secret_file)
         self._secret = secret
-        self.standby = config.standby_of is not None
-        self.identity = (
-            f"{COORDINATOR_IDENTITY}/{config.node}" if self.standby else COORDINATOR_IDENTITY
-        )
+        standby = config.standby_of is not None
+        self.identity = f"{COORDINATOR_IDENTITY}/{config.node}" if standby else COORDINATOR_IDENTITY
         self.codec = protocol.Codec(secret, config.job_id, self.identity)
         self._load_operator_key()
-        if not self.standby:
+        if not standby:
             # This run's nonce: every message must carry it (a standby learns it from the
             # challenge its hello gets, and keeps it when it takes over).
             self.codec.run = os.urandom(protocol.RUN_NONCE_BYTES)
@@ -207,7 +201,7 @@ class Coordinator:
         self.store_port = 0
         self.env_store = None
         self.env_store_port = 0
-        if config.host_store and not self.standby:
+        if config.host_store and not standby:
             self.store = StoreServer(secret, config.job_id, config.host).start()
             self.store_port = self.store.port
         if config.env_store:
@@ -237,29 +231,29 @@ class Coordinator:
         self.clock_offset = 0.0
         """Added to ``time.monotonic()``: a standby keeps the active coordinator's clock, so
         the deadlines in the state it mirrored go on where they were."""
-        self._upstream: zmq.Socket[bytes] | None = None
-        self._heard_active = time.monotonic()
-        self._has_state = False
-        self._mirrored_term = 0
-        self._votes: set[str] = set()
-        self._votes_asked_at = 0.0
-        self._next_vote = 0.0
         self._holding = False
         self._quorum_grace = 0.0
+        """Until then the quorum is not checked (processes reconnecting after a takeover)."""
         self._last_loop: float | None = None
         """When the active coordinator's loop last reached its deadline checks."""
-        """Until then the quorum is not checked (processes reconnecting after a takeover)."""
-        if self.standby:
-            self._upstream = self.ctx.socket(zmq.DEALER)
-            self._upstream.setsockopt(zmq.IDENTITY, protocol.routing_id(self.identity).encode())
-            self._upstream.setsockopt(zmq.LINGER, 0)
-            protocol.harden_socket(self._upstream)
-            self._upstream.setsockopt(zmq.IMMEDIATE, 1)  # only a live coordinator gets sends
-            self._upstream.connect(f"tcp://{config.standby_of}")
-        self._upstream_address = config.standby_of or ""
-        self._upstream_heard = False
-        self._next_hello = 0.0
-        self._hellos_unanswered = 0
+        self.link: StandbyLink | None = None
+        """A standby's link to the active coordinator (None once active)."""
+        if config.standby_of is not None:
+            self.link = StandbyLink(
+                self.ctx,
+                self.codec,
+                self.membership,
+                self.events,
+                active=config.standby_of,
+                takeover_timeout_s=config.takeover_timeout_s,
+                send=self._send,
+                drop=self._drop,
+            )
+
+    @property
+    def standby(self) -> bool:
+        """Whether this coordinator is a standby that has not taken over."""
+        return self.link is not None
 
     def _load_operator_key(self) -> None:
         path = self.config.operator_key_file
@@ -314,8 +308,8 @@ class Coordinator:
         """Run until the job ends (returns its exit code) or ``stop_after_s`` passes."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        if self._upstream is not None:
-            poller.register(self._upstream, zmq.POLLIN)
+        if self.link is not None:
+            poller.register(self.link.socket, zmq.POLLIN)
         deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
         next_agent_beat = 0.0
         self._last_loop = None
@@ -323,8 +317,8 @@ class Coordinator:
             if deadline is not None and time.monotonic() > deadline:
                 break
             ready = dict(poller.poll(int(self.config.tick_s * 1000)))
-            if self._upstream is not None and self._upstream in ready:
-                self._receive_upstream()
+            if self.link is not None and self.link.socket in ready:
+                self._receive_upstream(self.link)
             if self.sock in ready:
                 # Drain what is queued, but at most a bounded batch: deadlines are checked
                 # between batches even under a flood of messages.
@@ -336,8 +330,8 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self.handle_frames(frames)
-            if self.standby:
-                self._standby_tick()
+            if self.link is not None:
+                self._standby_tick(self.link)
                 continue
             now = self.now()
             self._excuse_own_stall(now)
@@ -404,13 +398,6 @@ class Coordinator:
             "address": self.address,
         }
 
-    def _send_upstream(self, type_: str, body: dict[str, Any]) -> None:
-        assert self._upstream is not None
-        try:
-            self._upstream.send_multipart(self.codec.encode(type_, body), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
     def _mirror(self, force: bool = False) -> None:
         """Push the membership to every standby when it changed: at once when ``force`` (a
         generation is about to go out), else at most every ``_MIRROR_EVERY_S``.
@@ -433,100 +420,25 @@ class Coordinator:
         for identity in self.standbys:
             self._send(identity, protocol.STATE, {"state": state, "now": now, "routes": routes})
 
-    def _receive_upstream(self) -> None:
-        """A standby reads what the active coordinator sends it."""
-        assert self._upstream is not None
-        for msg in self.codec.drain(self._upstream, expect_sender=COORDINATOR_IDENTITY):
-            if msg.term < self.codec.term:
-                continue  # the coordinator this standby is replacing: too late
-            self._heard_active = time.monotonic()
-            self._upstream_heard = True
-            self._votes.clear()
-            self._votes_asked_at = 0.0
-            if msg.type == protocol.STATE:
-                try:
-                    routes = _routes(msg.body.get("routes", {}))
-                    mirror.load(self.membership, msg.body["state"], float(msg.body["now"]))
-                except ValueError as e:
-                    self._drop(f"state from {msg.sender}: {e}")
-                    continue
-                self.routes = routes
-                self.clock_offset = float(msg.body["now"]) - time.monotonic()
-                self._has_state = True
-                self._mirrored_term = msg.term
-            elif msg.type == protocol.SHUTDOWN:
-                self.events.write("standby_shutdown", **msg.body)
-                self.exit_code = 0
+    def _receive_upstream(self, link: StandbyLink) -> None:
+        """A standby takes what the active coordinator sent: its state and clock, or the end."""
+        mirrored, shutdown = link.receive()
+        if mirrored is not None:
+            self.routes = mirrored.routes
+            self.clock_offset = mirrored.now - time.monotonic()
+        if shutdown is not None:
+            self.events.write("standby_shutdown", **shutdown)
+            self.exit_code = 0
 
-    def _standby_tick(self) -> None:
-        """Ask for votes once the active coordinator has been silent too long; win or wait."""
-        if not self._upstream_heard and time.monotonic() >= self._next_hello:
-            # Sent only over a completed connection (ZMQ_IMMEDIATE): again until answered, on
-            # a fresh connection now and then (one the active coordinator refused, over its
-            # cap of unauthenticated connections, is never retried by ZeroMQ itself).
-            self._hellos_unanswered += 1
-            if self._hellos_unanswered % _RECONNECT_EVERY == 0 and self._upstream is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._upstream.disconnect(f"tcp://{self._upstream_address}")
-                self._upstream.connect(f"tcp://{self._upstream_address}")
-            self._send_upstream(protocol.HELLO, self._standby_hello())
-            self._next_hello = time.monotonic() + _VOTE_RETRY_S
-        silent = time.monotonic() - self._heard_active
-        if silent <= self.config.takeover_timeout_s or not self._has_state:
-            return
-        agents = sorted(i for i, p in self.membership.procs.items() if p.role == "agent")
-        now = time.monotonic()
-        stalled = (
-            self._votes_asked_at and now - self._votes_asked_at > self.config.takeover_timeout_s
-        )
-        if self.codec.term <= self._mirrored_term or stalled:
-            # A new election; one that won no majority in time (two standbys splitting the
-            # votes) goes again in the next term after a random pause, as in Raft.
-            self.codec.term = max(self.codec.term, self._mirrored_term) + 1
-            self._votes.clear()
-            self._votes_asked_at = now
-            if stalled:
-                self._next_vote = now + random.uniform(0, self.config.takeover_timeout_s / 2)
-            self.events.write("election", term=self.codec.term, silent_s=round(silent, 3))
-            logger.warning(
-                "the active coordinator has been silent for %.1fs: asking %d nodes for term %d",
-                silent,
-                len(agents),
-                self.codec.term,
-            )
-        if time.monotonic() >= self._next_vote:
-            for identity in agents:
-                if identity not in self._votes:
-                    self._send(
-                        identity, protocol.VOTE, {"silence_s": self.config.takeover_timeout_s}
-                    )
-            self._next_vote = time.monotonic() + _VOTE_RETRY_S
-        if agents and 2 * len(self._votes & set(agents)) > len(agents):
-            self._take_over()
+    def _standby_tick(self, link: StandbyLink) -> None:
+        """A standby's turn of the loop: hello, election, and the takeover once it won."""
+        if link.tick(self._standby_hello()):
+            self._take_over(link)
 
-    def _follow(self, address: str, term: int) -> None:
-        """Another standby took over (an agent refusing a vote says where): mirror that one."""
-        host, _, port = address.rpartition(":")
-        if self._upstream is None or not host or not port.isdigit():
-            return
-        with contextlib.suppress(zmq.ZMQError):  # not connected there any more
-            self._upstream.disconnect(f"tcp://{self._upstream_address}")
-        self._upstream.connect(f"tcp://{address}")
-        self.events.write("standby_follows", coordinator=address, term=term)
-        logger.warning("coordinator %s took over (term %d): standing by for it", address, term)
-        self._upstream_address = address
-        self.codec.term = self._mirrored_term = term
-        self._heard_active = time.monotonic()
-        self._votes.clear()
-        self._votes_asked_at = 0.0
-        self._upstream_heard = False  # the hello goes out (again) from the next tick
-
-    def _take_over(self) -> None:
+    def _take_over(self, link: StandbyLink) -> None:
         """Become the active coordinator with the mirrored state."""
-        assert self._upstream is not None
-        self._upstream.close(linger=0)
-        self._upstream = None
-        self.standby = False
+        link.close()
+        self.link = None
         if self.config.host_store:
             self.store = StoreServer(self._secret, self.config.job_id, self.config.host).start()
             self.store_port = self.store.port
@@ -544,7 +456,7 @@ class Coordinator:
         self.events.write(
             "takeover",
             term=self.codec.term,
-            votes=sorted(self._votes),
+            votes=sorted(link.votes),
             generation=self.membership.generation,
         )
         logger.warning("took over as the active coordinator (term %d)", self.codec.term)
@@ -628,19 +540,12 @@ class Coordinator:
         if msg.term > self.codec.term:
             self._fenced(msg)
             return
-        if self.standby:
+        if self.link is not None:
             # Before a takeover a standby acts on nothing but the votes it asked for.
             if msg.type != protocol.VOTED or not msg.sender.startswith("agent/"):
                 raise ValueError(f"a standby takes no {msg.type} (from {msg.sender})")
             self._check_route(msg, routing)
-            if msg.term == self.codec.term and body["granted"]:
-                self._votes.add(msg.sender)
-                self.events.write("vote", identity=msg.sender, term=msg.term)
-            elif not body["granted"] and body.get("active", self._upstream_address) not in (
-                self._upstream_address,
-                self.address,
-            ):
-                self._follow(str(body["active"]), msg.term)
+            self.link.voted(msg, self.address)
             return
         if msg.type == protocol.VOTED:
             return  # an answer that came after this coordinator had won its election
@@ -941,9 +846,9 @@ class Coordinator:
         """Close the sockets (bounded linger), the store and the event log."""
         self.gate.close()
         self.sock.close(linger=500)
-        if self._upstream is not None:  # a standby that never took over
-            self._upstream.close(linger=0)
-            self._upstream = None
+        if self.link is not None:  # a standby that never took over
+            self.link.close()
+            self.link = None
         self.ctx.term()
         self.events.close()
         if self.store is not None:
@@ -954,18 +859,6 @@ class Coordinator:
 
 class Unbound(ValueError):
     """A valid message on a connection its sender has not said hello on: challenged."""
-
-
-def _routes(doc: Any) -> dict[str, bytes]:
-    """The routes an active coordinator mirrored (each identity's routing id), checked."""
-    if not isinstance(doc, dict) or len(doc) > 1 << 20:
-        raise ValueError("routes: not a map of at most 2**20 entries")
-    routes = {}
-    for identity, routing in doc.items():
-        if not isinstance(routing, str) or protocol.identity_of(routing) != identity:
-            raise ValueError(f"routes: {str(routing)[:80]!r} is not a routing id of {identity!r}")
-        routes[identity] = routing.encode()
-    return routes
 
 
 def config_file(run_dir: str | Path, node: str) -> Path:

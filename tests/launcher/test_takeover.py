@@ -185,7 +185,7 @@ def standby(tmp_path):
     mirror.load(c.membership, mirror.dump(active), 0.0)
     # The routes mirrored with the state: each agent's hello came on a routing id of its name.
     c.routes = {f"agent/{node}": f"agent/{node}".encode() for node in range(3)}
-    c._has_state = True
+    c.link.has_state = True
     yield c
     c.close()
 
@@ -200,29 +200,29 @@ def _voted(identity: str, term: int, granted: bool = True):
 
 
 def test_a_standby_takes_over_with_more_than_half_the_votes_only(standby):
-    standby._standby_tick()
+    standby._standby_tick(standby.link)
     assert standby.codec.term == 0 and standby.standby, "the active one is not silent yet"
-    standby._heard_active -= 1.0
-    standby._standby_tick()
+    standby.link.heard_active -= 1.0
+    standby._standby_tick(standby.link)
     assert standby.codec.term == 1
     _deliver(standby, _voted("agent/1", 1))
     _deliver(standby, _voted("agent/2", 0))  # an answer to another term counts for nothing
-    standby._standby_tick()
+    standby._standby_tick(standby.link)
     assert standby.standby, "1 vote of 3 nodes is no majority"
     _deliver(standby, _voted("agent/2", 1))
-    standby._standby_tick()
+    standby._standby_tick(standby.link)
     assert not standby.standby and standby.codec.term == 1
     took = [e for e in read_events(standby.config.run_dir) if e["event"] == "takeover"]
     assert took[0]["votes"] == ["agent/1", "agent/2"]
 
 
 def test_an_election_that_wins_no_majority_in_time_goes_again_in_a_newer_term(standby):
-    standby._heard_active -= 1.0
-    standby._standby_tick()
+    standby.link.heard_active -= 1.0
+    standby._standby_tick(standby.link)
     _deliver(standby, _voted("agent/1", 1))
-    standby._votes_asked_at -= 1.0  # the takeover timeout passed without a majority
-    standby._standby_tick()
-    assert standby.codec.term == 2 and not standby._votes and standby.standby
+    standby.link.votes_asked_at -= 1.0  # the takeover timeout passed without a majority
+    standby._standby_tick(standby.link)
+    assert standby.codec.term == 2 and not standby.link.votes and standby.standby
 
 
 def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover(coordinator):
@@ -253,17 +253,17 @@ def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover
 
 
 def test_a_standby_left_behind_by_another_ones_takeover_follows_the_winner(standby):
-    standby._heard_active -= 1.0
-    standby._standby_tick()
+    standby.link.heard_active -= 1.0
+    standby._standby_tick(standby.link)
     assert standby.codec.term == 1
     # The agents hear the winner of term 1 (another standby) and say where it is.
     refusal = protocol.Message(
         protocol.VOTED, "agent/0", 0, 1, {"granted": False, "active": "127.0.0.1:7"}, 1, 1
     )
     _deliver(standby, refusal)
-    assert standby._upstream_address == "127.0.0.1:7" and standby.standby
-    assert standby.codec.term == 1 and not standby._votes
-    standby._standby_tick()
+    assert standby.link.active == "127.0.0.1:7" and standby.standby
+    assert standby.codec.term == 1 and not standby.link.votes
+    standby._standby_tick(standby.link)
     assert standby.codec.term == 1, "it waits for the new active one, it does not elect"
 
 
