@@ -151,6 +151,12 @@ class RunOptions:
         "the other nodes wait for it (at most --join-timeout)",
     )
     module: bool = setting(False, flag=("-m", "--module"), help="run the script as a module")
+    rdzv_backend: str | None = setting(
+        None,
+        flag=("--rdzv-backend", "--rdzv_backend"),
+        help="accepted as torchrun's and ignored, with a warning: the coordinator is the "
+        "rendezvous",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="p2p-run", description=__doc__.splitlines()[0], allow_abbrev=False)
     # Flags that Slurm can also give default to None: "not given" must be told apart.
     add_flags(p, slurm.Flags, "nnodes", "nproc_per_node", "node_rank", "coordinator")
-    add_flags(p, slurm.Flags, "rdzv_endpoint")
+    add_flags(p, slurm.Flags, "rdzv_endpoint", "master_addr", "master_port", "standalone")
+    add_flags(p, RunOptions, "rdzv_backend")
     add_flags(p, RunOptions, "join_timeout_s", "print_config")
     add_flags(p, slurm.Flags, "spares")
     add_flags(p, AgentConfig, "heartbeat_interval_s")
@@ -514,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         resolved = _resolve(args, os.environ)
         _validate(args)
+        if args.rdzv_backend is not None:
+            print(
+                f"p2p-run: warning: --rdzv-backend {args.rdzv_backend} is ignored: the "
+                "coordinator at --coordinator (--rdzv-endpoint) is the rendezvous",
+                file=sys.stderr,
+            )
         if args.print_config:
             print(
                 slurm.format_config(

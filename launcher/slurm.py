@@ -18,6 +18,7 @@ job's size comes from ``SLURM_JOB_NUM_NODES`` and a node's rank from the place o
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import subprocess
@@ -42,6 +43,8 @@ SLURM_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"
 #: node computes the same one without talking, and two jobs sharing a node rarely collide.
 PORT_BASE = 29500
 PORT_SPAN = 2000
+#: torchrun's default ``--master-port``.
+MASTER_PORT = 29500
 #: A host list expanding to more names than this is refused (a typo like ``n[1-999999999]``).
 MAX_HOSTS = 1_000_000
 
@@ -196,6 +199,24 @@ class Flags:
         flag=("--rdzv-endpoint", "--rdzv_endpoint"),
         help="torchrun's name for --coordinator",
     )
+    master_addr: str | None = setting(
+        None,
+        flag=("--master-addr", "--master_addr"),
+        help="torchrun's static rendezvous, node 0's address: --coordinator "
+        "MASTER_ADDR:MASTER_PORT",
+    )
+    master_port: int | None = setting(
+        None,
+        flag=("--master-port", "--master_port"),
+        help=f"with --master-addr (default {MASTER_PORT}, or 127.0.0.1 without it)",
+    )
+    standalone: bool = setting(
+        False,
+        flag="--standalone",
+        help="one node on this machine with a coordinator of its own, as torchrun's: "
+        "--nnodes 1 --node-rank 0, the coordinator on 127.0.0.1 at any free port, whatever "
+        "SLURM_* says",
+    )
     job_id: str | None = setting(
         None,
         flag=("--job-id", "--rdzv-id", "--rdzv_id"),
@@ -277,6 +298,8 @@ def resolve(
     Raises:
         ValueError: a flag or a Slurm variable does not make sense (one line with the fix).
     """
+    if flags.standalone:
+        return _standalone(flags, environ)
     src: dict[str, str] = {}
     slurm = SLURM_JOB_ID in environ
     in_step = slurm and SLURM_STEP_ID in environ
@@ -365,15 +388,21 @@ def resolve(
         src["run_dir"] = f"runs/<job_id> ({src['job_id']})"
 
     # coordinator: a flag, else the allocation's first node.
+    master = None
+    if flags.master_addr is not None or flags.master_port is not None:
+        master = f"{flags.master_addr or '127.0.0.1'}:{flags.master_port or MASTER_PORT}"
     given = [
         (n, v)
-        for n, v in (("--coordinator", flags.coordinator), ("--rdzv-endpoint", flags.rdzv_endpoint))
+        for n, v in (
+            ("--coordinator", flags.coordinator),
+            ("--rdzv-endpoint", flags.rdzv_endpoint),
+            ("--master-addr/--master-port", master),
+        )
         if v is not None
     ]
-    if len(given) == 2 and given[0][1] != given[1][1]:
-        raise ValueError(
-            f"--coordinator {given[0][1]} and --rdzv-endpoint {given[1][1]} differ; give one"
-        )
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise ValueError(f"{given[0][0]} {given[0][1]} and {name} {value} differ; give one")
     if given:
         coordinator = given[0][1]
         src["coordinator"] = FLAG
@@ -406,6 +435,37 @@ def resolve(
         max_ranks=max_ranks,
         sources=src,
     )
+
+
+def _standalone(flags: Flags, environ: Mapping[str, str]) -> Resolved:
+    """``--standalone``: one node with a coordinator of its own on this machine.
+
+    Raises:
+        ValueError: a flag asks for another node or another coordinator.
+    """
+    clash = [
+        f"{name} {value}"
+        for name, value, alone in (
+            ("--nnodes", flags.nnodes, "1"),
+            ("--node-rank", flags.node_rank, 0),
+            ("--coordinator", flags.coordinator, None),
+            ("--rdzv-endpoint", flags.rdzv_endpoint, None),
+            ("--master-addr", flags.master_addr, None),
+            ("--master-port", flags.master_port, None),
+        )
+        if value is not None and value != alone
+    ]
+    if clash:
+        raise ValueError(
+            f"--standalone runs one node with a coordinator of its own on this machine: drop "
+            f"{', '.join(clash)} (or --standalone)"
+        )
+    # Everything but the shape still comes from the flags, SLURM_* and the defaults.
+    alone = dataclasses.replace(flags, standalone=False, nnodes="1", node_rank=0)
+    resolved = resolve(alone, {k: v for k, v in environ.items() if k != SLURM_JOB_NODELIST})
+    sources = {**resolved.sources, "nnodes": "--standalone", "node_rank": "--standalone"}
+    sources["coordinator"] = "--standalone"
+    return dataclasses.replace(resolved, sources=sources)
 
 
 def format_config(resolved: Resolved, extra: Mapping[str, tuple[object, str]] | None = None) -> str:

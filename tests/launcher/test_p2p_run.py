@@ -258,9 +258,9 @@ def test_nnodes_mismatch_is_refused_with_one_line(start_job):
 
 def test_a_plain_torch_script_runs_as_under_torchrun(tmp_path):
     script = str(Path(WORKER).parent / "plain_torch.py")
-    r = _run_cli(
-        "--run-dir", str(tmp_path), "--nproc-per-node", "2", "--env-store", script, timeout=120
-    )
+    # The command line a torchrun user has, with torchrun's spellings.
+    torchrun = ["--standalone", "--nproc_per_node=2", "--rdzv-backend=c10d", "--max_restarts=1"]
+    r = _run_cli("--run-dir", str(tmp_path), *torchrun, "--env-store", script, timeout=120)
     assert r.returncode == 0, r.stderr
     outs = sorted((tmp_path / f"out{i}").read_text() for i in range(2))
     assert outs == ["0 2 0 3.0", "1 2 1 3.0"]

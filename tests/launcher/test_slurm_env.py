@@ -159,6 +159,39 @@ def test_torchrun_spellings():
             resolve(Flags(nnodes=bad), {})
 
 
+def test_torchruns_static_rendezvous_names_the_coordinator():
+    r = resolve(Flags(nnodes="2", master_addr="10.0.0.1", master_port=1234), {})
+    assert r.coordinator == "10.0.0.1:1234"
+    assert resolve(Flags(master_addr="10.0.0.1"), {}).coordinator == "10.0.0.1:29500"
+    assert resolve(Flags(master_port=1234), {}).coordinator == "127.0.0.1:1234"
+    same = Flags(rdzv_endpoint="10.0.0.1:29500", master_addr="10.0.0.1")
+    assert resolve(same, {}).coordinator == "10.0.0.1:29500"
+    with pytest.raises(ValueError, match=r"--master-addr/--master-port 10\.0\.0\.1:1 differ"):
+        resolve(Flags(coordinator="10.0.0.1:2", master_addr="10.0.0.1", master_port=1), {})
+
+
+def test_standalone_is_one_node_with_its_own_coordinator_whatever_slurm_says():
+    r = resolve(Flags(standalone=True, nproc_per_node=4), {})
+    assert (r.nnodes, r.node_rank, r.nproc_per_node, r.coordinator) == (1, 0, 4, None)
+    assert r.sources["nnodes"] == r.sources["coordinator"] == "--standalone"
+    # Inside an allocation of 3 nodes, on its third: still one node, rank 0, own coordinator;
+    # the node's GPUs and the job id still come from Slurm.
+    r = resolve(
+        Flags(standalone=True), {**STEP, "SLURMD_NODENAME": "gpu-03", "SLURM_GPUS_ON_NODE": "8"}
+    )
+    assert (r.nnodes, r.node_rank, r.nproc_per_node, r.coordinator) == (1, 0, 8, None)
+    assert r.job_id == STEP["SLURM_JOB_ID"]
+    assert resolve(Flags(standalone=True, nnodes="1", node_rank=0), {}).nnodes == 1
+    for clash, named in (
+        (Flags(standalone=True, nnodes="2"), "--nnodes 2"),
+        (Flags(standalone=True, node_rank=1), "--node-rank 1"),
+        (Flags(standalone=True, rdzv_endpoint="h:1"), "--rdzv-endpoint h:1"),
+        (Flags(standalone=True, master_addr="h"), "--master-addr h"),
+    ):
+        with pytest.raises(ValueError, match=f"--standalone runs one node.*drop {named} "):
+            resolve(clash, {})
+
+
 def test_a_node_missing_from_the_list_or_a_garbled_variable_is_one_clear_error():
     with pytest.raises(ValueError, match=r"is not in SLURM_JOB_NODELIST.*pass --node-rank"):
         resolve(Flags(), {**STEP, "SLURMD_NODENAME": "other"})
@@ -205,6 +238,21 @@ def test_print_config_shows_each_setting_and_its_source(monkeypatch, tmp_path):
     r = _cli("--print-config", "train.py", env=env)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "pass --node-rank" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_torchruns_flags_parse_and_an_ignored_rendezvous_backend_is_said_once(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    argv = ["--standalone", "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--print-config"]
+    r = _cli(*argv, "train.py", env=env)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in r.stdout.splitlines()}
+    assert rows["nnodes"] == ["1", "--standalone"] and rows["nproc_per_node"] == ["2", "flag"]
+    assert r.stderr.count("\n") == 1 and "--rdzv-backend c10d is ignored" in r.stderr
+    r = _cli("--standalone", "--nnodes", "2", "train.py", env=env)
+    assert r.returncode == 2 and r.stderr.startswith("p2p-run: error: --standalone runs one")
+    assert r.stderr.count("\n") == 1
 
 
 def test_exit_codes_say_how_the_job_ended():
