@@ -14,7 +14,9 @@ A fault is written as ``kind:target@when[:phase=...]``:
                                           together (no copy survives: the cold checkpoint is used)
 ``during-replication:rank=1@step=5``      SIGKILL rank 1 while it sends its snapshot of step 5
 ``during-recovery:rank=2@recovery=1``     SIGKILL rank 2 in the middle of the first recovery
-                                          (``phase``: a recovery phase, default ``plan``)
+                                          (``phase``: a recovery phase, default ``plan``);
+                                          recovery K is the one into generation K + 1, so a
+                                          recovery a fault restarts is the next one
 ``bitflip:rank=1@step=3``                 flip one bit of rank 1's parameters (silent data
                                           corruption: nothing crashes, the state diverges, and
                                           only the bitwise check against a fault-free run
@@ -90,7 +92,8 @@ class Fault:
     target: int
     """A rank, or a node for ``kill-node``."""
     at: int
-    """A step, or for ``during-recovery`` the ordinal of the recovery (1 = the first)."""
+    """A step, or for ``during-recovery`` the ordinal of the recovery: K is the one into
+    generation K + 1 (1 = the first)."""
     phase: str
 
     @property
@@ -226,13 +229,11 @@ class Injector:
         self._event = events
         self._job: Any = None
         self._step = 0
-        self._recoveries_seen = 0
         self._last_rank = -1
 
     def arm(self, job: Any) -> None:
         """Attach to a :class:`recovery.job.ProtectedJob` (before its first step)."""
         self._job = job
-        self._recoveries_seen = len(job.recoveries)
         job.add_hook(self._on_hook)
         if job.model is not None:
             self._on_built(job.model, job.optimizer)
@@ -248,7 +249,7 @@ class Injector:
         elif point == "replication_chunk" and info["round"] == 0:
             self._maybe("replication", info["step"])
         elif point == "recovery_phase":
-            self._maybe_recovery(info["phase"])
+            self._maybe_recovery(info["phase"], info["generation"])
 
     def _on_built(self, model: Any, optimizer: Any) -> None:
         # Where this rank's process is, so a fault that takes several ranks down together can
@@ -288,8 +289,11 @@ class Injector:
             if self._mine(fault):
                 self._fire(fault)
 
-    def _maybe_recovery(self, phase: str) -> None:
-        ordinal = len(self._job.recoveries) + 1  # the recovery in progress
+    def _maybe_recovery(self, phase: str, generation: int) -> None:
+        # Recovery K is the one into generation K + 1: every rank counts it the same, a spare
+        # that joins in it and a survivor alike, and a recovery restarted by a fault during it
+        # is the next one.
+        ordinal = generation - 1
         for fault in self.faults:
             here = fault.in_recovery and (fault.phase, fault.at) == (phase, ordinal)
             if here and self._mine(fault):
