@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.faults import COORDINATOR_KINDS, Fault
+from bench.faults import COORDINATOR_KINDS, NODE_KINDS, Fault
 from bench.runner import CPU_ONLY, SHARED_GPU, example_args
 from bench.workdir import fresh_run_dir
 from launcher.events import read_json_lines
@@ -49,8 +49,9 @@ class BaselineRun:
 
 
 def _victims(fault: Fault, world_size: int, ranks_per_node: int) -> list[int]:
-    """The ranks a fault takes down in a plain job (every kind maps onto killing processes)."""
-    if fault.kind == "kill-node":
+    """The ranks a fault takes down in a plain job (every kind maps onto killing processes: a
+    partitioned node's ranks are killed, the end a plain job's collective timeouts reach)."""
+    if fault.kind in NODE_KINDS:
         return [r for r in range(world_size) if r // ranks_per_node == fault.target]
     if fault.kind == "kill-buddies":
         from p2p_state.placement import place

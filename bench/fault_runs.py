@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from bench import phases
 from bench.baseline import run_baseline
 from bench.errors import UsageError
-from bench.faults import COORDINATOR_KINDS, Fault, parse_fault, random_faults
+from bench.faults import COORDINATOR_KINDS, NODE_KINDS, Fault, parse_fault, random_faults
+from bench.netns import Healer, Network, unavailable
 from bench.reports import (
     BaselineSummary,
     CheckpointlessRun,
@@ -134,10 +135,10 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
         raise UsageError(str(e)) from None
     world = args.nnodes * args.nproc_per_node
     for f in faults:
-        limit = args.nnodes if f.kind == "kill-node" else world
+        limit = args.nnodes if f.kind in NODE_KINDS else world
         if f.target >= limit:
             raise UsageError(
-                f"{f}: {'node' if f.kind == 'kill-node' else 'rank'} {f.target} does not exist "
+                f"{f}: {'node' if f.kind in NODE_KINDS else 'rank'} {f.target} does not exist "
                 f"({args.nnodes} nodes x {args.nproc_per_node} ranks)"
             )
         if not f.in_recovery and not 1 <= f.at <= args.steps:
@@ -147,14 +148,21 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
                 f"{f}: with every coordinator lost the job stops with a checkpoint, so the run "
                 "has no end to compare; lose one coordinator (kill-coordinator) instead"
             )
-        takes_coordinator = f.kind in COORDINATOR_KINDS or (f.kind == "kill-node" and f.target == 0)
+        takes_coordinator = f.kind in COORDINATOR_KINDS or (f.kind in NODE_KINDS and f.target == 0)
         if takes_coordinator and args.nnodes < 2:
             raise UsageError(f"{f}: a standby coordinator runs on node 1: use --nnodes 2 or more")
-        if f.kind == "kill-node" and f.target == 0 and args.nnodes < 3:
+        if f.kind in NODE_KINDS and f.target == 0 and args.nnodes < 3:
             raise UsageError(
                 f"{f}: node 0 runs the active coordinator, and its standby takes over with the "
                 "votes of more than half the nodes: use --nnodes 3 or more"
             )
+        if f.kind == "partition" and args.nnodes < 3:
+            raise UsageError(
+                f"{f}: each side of a partition of 2 nodes hears half the job, and neither may "
+                "decide for it (docs/launcher.md, Partitions): use --nnodes 3 or more"
+            )
+        if f.kind == "partition" and (why := unavailable()) is not None:
+            raise UsageError(f"{f}: the nodes must run in network namespaces here, and {why}")
     if args.steps < 2 or args.nnodes < 1 or args.nproc_per_node < 1:
         raise UsageError("--steps must be >= 2, --nnodes and --nproc-per-node >= 1")
     replicas = getattr(args, "replicas", 1)
@@ -178,13 +186,13 @@ def spares_for(
     for f in faults:
         if f.kind == "bitflip" or f.kind in COORDINATOR_KINDS:
             continue
-        if f.kind == "kill-node":
+        if f.kind in NODE_KINDS:
             lost += nproc_per_node
         elif f.kind == "kill-buddies":
             lost += 1 + replicas  # the rank and its k holders
         else:
             lost += 1
-    down = killed_nodes(faults)
+    down = {f.target for f in faults if f.kind in NODE_KINDS}  # their spares go with them
     hosts = [n for n in range(nnodes) if n not in down] or list(range(nnodes))
     wanted = max(1, min(lost, 2 * len(hosts)))
     share = {
@@ -268,14 +276,24 @@ def run_checkpointless(
         launcher += ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
     spares = spares_for(faults, args.nnodes, args.nproc_per_node, getattr(args, "replicas", 1))
     progress.run_started("checkpointless", args.steps)
-    outcome = run(
-        work / "checkpointless",
-        faults=faults,
-        spares=spares,
-        launcher_args=launcher,
-        on_poll=lambda events: _progress_from(progress, events),
-        **common,
-    )
+    with contextlib.ExitStack() as stack:
+        poll: list[Callable[[list[dict[str, Any]]], None]] = [
+            lambda events: _progress_from(progress, events)
+        ]
+        hosts = None
+        if any(f.kind == "partition" for f in faults):
+            # Nodes of their own on one bridge, so that a partition cuts a link.
+            hosts = stack.enter_context(Network(args.nnodes))
+            poll.append(Healer(hosts))
+        outcome = run(
+            work / "checkpointless",
+            faults=faults,
+            spares=spares,
+            launcher_args=launcher,
+            on_poll=lambda events: _each(poll, events),
+            hosts=hosts,
+            **common,
+        )
     job = outcome.job
     assert job is not None  # a run of the job, not a kept reference
     events = job.events()
@@ -305,6 +323,13 @@ def run_checkpointless(
         section.differences = problems[:20]
         section.reference_wall_s = ref.wall_s
     return section
+
+
+def _each(
+    calls: list[Callable[[list[dict[str, Any]]], None]], events: list[dict[str, Any]]
+) -> None:
+    for call in calls:
+        call(events)
 
 
 def _reference(

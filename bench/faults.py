@@ -10,6 +10,10 @@ A fault is written as ``kind:target@when[:phase=...]``:
                                           heartbeat timeout notices it)
 ``kill-node:node=1@step=40``              SIGKILL node 1's agent at step 40: every process of
                                           the node dies with it
+``partition:node=2@step=40``              take node 2's network link down at step 40 (the job's
+                                          nodes in network namespaces, :mod:`bench.netns`):
+                                          every process of the node runs on, cut off, until the
+                                          job has recovered without it; then the link is back
 ``kill-buddies:rank=1@step=80``           rank 1 and every rank holding a copy of its shard die
                                           together (no copy survives: the cold checkpoint is used)
 ``during-replication:rank=1@step=5``      SIGKILL rank 1 while it sends its snapshot of step 5
@@ -31,7 +35,8 @@ A fault is written as ``kind:target@when[:phase=...]``:
                                           run has no end to compare; the tests resume it)
 ========================================  =====================================================
 
-A node loss of node 0 (``kill-node:node=0``) takes the active coordinator with it.
+A node loss of node 0 (``kill-node:node=0``, ``partition:node=0``) takes the active coordinator
+with it.
 
 The faults a job should suffer are passed to its ranks as JSON in ``P2P_INJECT``; each rank arms
 an :class:`Injector` on its protected job. Every fault fires once per job (a marker file in the
@@ -65,6 +70,7 @@ KINDS = (
     "kill",
     "hang",
     "kill-node",
+    "partition",
     "kill-buddies",
     "during-replication",
     "during-recovery",
@@ -73,6 +79,8 @@ KINDS = (
     "hang-coordinator",
     "kill-coordinators",
 )
+#: Faults of a whole node: they name a node, not a rank.
+NODE_KINDS = ("kill-node", "partition")
 #: Faults of the control plane, not of a rank: they name no target.
 COORDINATOR_KINDS = ("kill-coordinator", "hang-coordinator", "kill-coordinators")
 STEP_PHASES = ("forward", "backward", "optimizer", "replication")
@@ -90,7 +98,7 @@ class Fault:
 
     kind: str
     target: int
-    """A rank, or a node for ``kill-node``."""
+    """A rank, or a node for the :data:`NODE_KINDS`."""
     at: int
     """A step, or for ``during-recovery`` the ordinal of the recovery: K is the one into
     generation K + 1 (1 = the first)."""
@@ -110,7 +118,7 @@ class Fault:
         if self.kind in COORDINATOR_KINDS:
             when = "recovery" if self.in_recovery else "step"
             return f"{self.kind}@{when}={self.at}:phase={self.phase}"
-        key = "node" if self.kind == "kill-node" else "rank"
+        key = "node" if self.kind in NODE_KINDS else "rank"
         when = "recovery" if self.kind == "during-recovery" else "step"
         return f"{self.kind}:{key}={self.target}@{when}={self.at}:phase={self.phase}"
 
@@ -124,7 +132,8 @@ def parse_fault(spec: str) -> Fault:
     m = _SPEC.match(spec.strip())
     usage = (
         "write kill:rank=R@step=S[:phase=forward|backward|optimizer|replication], "
-        "hang:rank=R@step=S, kill-node:node=N@step=S, kill-buddies:rank=R@step=S, "
+        "hang:rank=R@step=S, kill-node:node=N@step=S, partition:node=N@step=S, "
+        "kill-buddies:rank=R@step=S, "
         "during-replication:rank=R@step=S, during-recovery:rank=R@recovery=K[:phase=P], "
         "bitflip:rank=R@step=S, kill-coordinator@step=S, hang-coordinator@step=S, "
         "kill-coordinators@step=S "
@@ -138,8 +147,8 @@ def parse_fault(spec: str) -> Fault:
     if (key is None) != (kind in COORDINATOR_KINDS):
         what = "names no rank or node" if kind in COORDINATOR_KINDS else "needs a target"
         raise ValueError(f"{kind} {what}: {usage}")
-    if key is not None and (key == "node") != (kind == "kill-node"):
-        raise ValueError(f"{kind} targets a {'node' if kind == 'kill-node' else 'rank'}: {usage}")
+    if key is not None and (key == "node") != (kind in NODE_KINDS):
+        raise ValueError(f"{kind} targets a {'node' if kind in NODE_KINDS else 'rank'}: {usage}")
     in_recovery = when == "recovery"
     if in_recovery != (kind == "during-recovery") and kind not in COORDINATOR_KINDS:
         raise ValueError(f"{kind} happens at a {'recovery' if when == 'step' else 'step'}: {usage}")
@@ -274,7 +283,7 @@ class Injector:
         rank = self._rank()
         if fault.kind in COORDINATOR_KINDS:
             return rank == 0  # any rank would do: rank 0 always exists
-        if fault.kind == "kill-node":
+        if fault.kind in NODE_KINDS:
             return int(os.environ.get("GROUP_RANK", "-1")) == fault.target
         if fault.kind == "kill-buddies":
             placement = self._job.replicator.placement if self._job.replicator else None
@@ -315,7 +324,7 @@ class Injector:
     def _fire(self, fault: Fault) -> None:
         # One marker per rank for faults several ranks fire together (kill-buddies), one per
         # fault for a node loss (the first rank of the node to get there kills the agent).
-        who = "" if fault.kind == "kill-node" else f"-rank{self._rank()}"
+        who = "" if fault.kind in NODE_KINDS else f"-rank{self._rank()}"
         marker = self.markers / f"{fault.id}{who}"
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -342,6 +351,10 @@ class Injector:
                 raise RuntimeError(f"{fault} needs a rank started by p2p-run's agent")
             os.kill(agent, signal.SIGKILL)  # the node's agent; its children die with it
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "partition":
+            from bench.netns import partition_this_node
+
+            partition_this_node()  # the node's processes, this one included, run on cut off
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "kill-coordinators":

@@ -457,6 +457,13 @@ def _report_end(code: int, reason: str) -> None:
         print(f"p2p-run: the job failed: {reason}", file=sys.stderr)
 
 
+def _say_dropped(reason: str) -> None:
+    print(
+        f"p2p-run: this node was declared lost ({reason}); the job went on without it",
+        file=sys.stderr,
+    )
+
+
 def dropped_from_job(events: list[dict[str, Any]], node_rank: int) -> str | None:
     """Why the coordinator declared this node lost, if it did (the job then went on without it).
 
@@ -467,7 +474,8 @@ def dropped_from_job(events: list[dict[str, Any]], node_rank: int) -> str | None
     identity = f"agent/{node_rank}"
     reason = None
     for e in events:
-        if e.get("identity") != identity or e.get("source") != "coordinator":
+        # The active coordinator's records, or a standby's that took over (``coordinator/1``).
+        if e.get("identity") != identity or not protocol.is_coordinator(str(e.get("source"))):
             continue
         if e.get("event") == "hello":
             reason = None  # a run directory used again: only this node's last run counts
@@ -575,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
                 coordinator.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 coordinator.terminate()
+        if code == Exit.FINISHED and (
+            reason := dropped_from_job(read_events(run_dir), args.node_rank)
+        ):
+            _say_dropped(reason)  # it heard so from the coordinator once it could again
         return code
     except UsageError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
@@ -588,10 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         # not a failure of this node's task.
         reason = dropped_from_job(read_events(run_dir), args.node_rank) if run_dir else None
         if reason is not None:
-            print(
-                f"p2p-run: this node was declared lost ({reason}); the job went on without it",
-                file=sys.stderr,
-            )
+            _say_dropped(reason)
             return Exit.FINISHED
         print(f"p2p-run: error: {e}", file=sys.stderr)
         return Exit.FAILED

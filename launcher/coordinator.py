@@ -72,6 +72,9 @@ _DRAIN_BATCH = 1000
 #: The least :meth:`CoordinatorConfig.connection_cap` is (larger jobs get four per rank).
 DEFAULT_CONNECTION_CAP = 4096
 COORDINATOR_IDENTITY = protocol.COORDINATOR
+#: How often a process declared lost that is heard again is told so, and how many are tracked.
+_TELL_LOST_EVERY_S = 1.0
+_MAX_TOLD_LOST = 4096
 #: How often the active coordinator mirrors a changed membership between generations.
 _MIRROR_EVERY_S = 0.5
 
@@ -221,6 +224,8 @@ class Coordinator:
             )
             self.env_store_port = self.env_store.port
         self.dropped = 0
+        self._told_lost: dict[str, float] = {}
+        """identity -> when a process declared lost was last told so (:meth:`_tell_lost`)."""
         self.exit_code: int | None = None
         self._errors_seen: set[tuple[str, str, str]] = set()
         # Takeover: the standbys the active one mirrors to, and a standby's view of the active.
@@ -563,6 +568,10 @@ class Coordinator:
         elif msg.sender.startswith("operator/"):
             raise ValueError(f"an operator may only send scale, not {msg.type}")
         elif msg.type != protocol.HELLO and msg.sender not in self.membership.procs:
+            if msg.sender in self.membership.gone:
+                self._check_route(msg, routing)
+                self._tell_lost(msg.sender)
+                return
             raise ValueError(f"{msg.sender} sent {msg.type} before its hello")
         elif msg.type != protocol.HELLO:
             self._check_route(msg, routing)
@@ -656,6 +665,20 @@ class Coordinator:
             )
         else:
             raise ValueError(f"{msg.type} is not a message the coordinator accepts")
+
+    def _tell_lost(self, identity: str) -> None:
+        """A process this coordinator declared lost is heard again (a partition healed, a
+        pause ended): the job went on without it, and it is told so, at most once a second,
+        rather than left to wait for ``--coordinator-timeout``."""
+        now = time.monotonic()
+        if now - self._told_lost.get(identity, -1.0) < _TELL_LOST_EVERY_S:
+            return
+        if len(self._told_lost) >= _MAX_TOLD_LOST:
+            self._told_lost.clear()
+        self._told_lost[identity] = now
+        reason = f"{identity} was declared lost; the job went on without it"
+        self.events.write("lost_process_heard", identity=identity)
+        self._send(identity, protocol.SHUTDOWN, {"code": 0, "reason": reason})
 
     def _prepare_spares(self) -> None:
         """Once every rank of the generation reported its buffers, tell the idle spares what

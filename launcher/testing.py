@@ -16,11 +16,24 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from launcher.events import read_events
 
 START_TIMEOUT_S = 60.0
+
+
+class Hosts(Protocol):
+    """Where each node of a :class:`LocalJob` runs, when not all on this machine's loopback
+    (``bench.netns.Network``: a network namespace per node)."""
+
+    def address(self, node: int) -> str:
+        """The address ``node``'s processes listen on."""
+        ...
+
+    def command(self, node: int, argv: list[str]) -> list[str]:
+        """``argv`` run on ``node``."""
+        ...
 
 
 class JobTimeout(TimeoutError):
@@ -49,6 +62,7 @@ class LocalJob:
         launcher_args: Further p2p-run flags (the same on every node).
         env: Extra environment for every process of the job.
         heartbeat_interval_s, heartbeat_timeout_s, ack_timeout_s: p2p-run's settings.
+        hosts: Where the nodes run (default: all on 127.0.0.1).
     """
 
     def __init__(
@@ -65,6 +79,7 @@ class LocalJob:
         heartbeat_interval_s: float = 0.5,
         heartbeat_timeout_s: float = 3.0,
         ack_timeout_s: float = 10.0,
+        hosts: Hosts | None = None,
     ) -> None:
         if len(spares) != nnodes:
             raise ValueError(f"spares lists {len(spares)} nodes, the job has {nnodes}")
@@ -93,11 +108,14 @@ class LocalJob:
             *launcher_args,
         ]
         self._common = common
+        self.hosts = hosts
+        self.host = "127.0.0.1" if hosts is None else hosts.address(0)
+        """Where the coordinator listens (node 0)."""
         try:
-            self._start([*common, "--node-rank", "0", "--coordinator", "127.0.0.1:0"], spares[0])
+            self._start([*common, "--node-rank", "0", "--coordinator", f"{self.host}:0"], spares[0])
             self.port = self._wait_for_coordinator()["port"]
             for node in range(1, nnodes):
-                address = f"127.0.0.1:{self.port}"
+                address = f"{self.host}:{self.port}"
                 self._start(
                     [*common, "--node-rank", str(node), "--coordinator", address], spares[node]
                 )
@@ -107,7 +125,7 @@ class LocalJob:
 
     def add_node(self, node_rank: int, spares: int = 0) -> None:
         """Start one more node's p2p-run, joining the running job (elastic jobs grow into it)."""
-        address = f"127.0.0.1:{self.port}"
+        address = f"{self.host}:{self.port}"
         self._start(
             [*self._common, "--node-rank", str(node_rank), "--coordinator", address], spares
         )
@@ -116,9 +134,12 @@ class LocalJob:
         log = open(self.run_dir / f"p2p-run-{len(self.nodes)}.log", "w")  # noqa: SIM115
         self._logs.append(log)
         cmd = [sys.executable, "-m", "launcher.cli", *args, "--spares", str(spares)]
+        cmd = [*cmd, self.script, *self.script_args]
+        if self.hosts is not None:
+            cmd = self.hosts.command(len(self.nodes), cmd)
         self.nodes.append(
             subprocess.Popen(
-                [*cmd, self.script, *self.script_args],
+                cmd,
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import netns
 from bench.cli import main
 
 pytestmark = pytest.mark.slow
@@ -231,6 +232,48 @@ def test_inject_a_kill_the_coordinators_loss_and_a_hang(capsys, tmp_path, refere
     assert hang["phases"]["detect"] > 2.5 > kill["phases"]["detect"]
 
 
+@pytest.mark.skipif(
+    netns.unavailable() is not None, reason=f"no network namespaces: {netns.unavailable()}"
+)
+def test_a_partition_of_the_coordinators_node_is_survived_and_its_side_fenced(
+    capsys, tmp_path, references
+):
+    # Three nodes in network namespaces; node 0's link goes down in step 4 with the active
+    # coordinator on it. That coordinator runs on, cut off: it hears 1 of 3 nodes and holds
+    # every decision; the standby on node 1 takes over with nodes 1 and 2's votes and replaces
+    # node 0's rank. When the link comes back, node 0 is told the job went on without it, and
+    # its coordinator ends (fenced, or stopped with its node) having decided nothing since.
+    summary = _inject(
+        capsys,
+        tmp_path,
+        *FAST,
+        *references,
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--steps",
+        "8",
+        "--fault",
+        "partition:node=0@step=4",
+    )
+    assert summary["bitwise_equal"] is True
+    run = summary["modes"]["checkpointless"]
+    assert run["exit_codes"] == [0, 0, 0] and run["not_fired"] == []
+    (fault,) = run["faults"]
+    assert fault["restored_from"] == "peers" and fault["downtime_s"] > 0
+    events = _events(tmp_path / "report")
+    by = {(e["source"], e["event"]) for e in events}
+    assert ("coordinator", "quorum_lost") in by and ("coordinator/1", "takeover") in by
+    t_cut = next(e["t"] for e in events if e["event"] == "fault_injected")
+    decisions = ("fault", "generation_started", "kill_requested", "spare_requested", "job_ended")
+    cut_off = [e for e in events if e["source"] == "coordinator" and e["t"] > t_cut]
+    assert cut_off and not [e for e in cut_off if e["event"] in decisions], cut_off
+    assert {e["identity"] for e in events if e["event"] == "lost_process_heard"} >= {"agent/0"}
+    node0 = (Path(run["run_dir"]) / "p2p-run-0.log").read_text()
+    assert "this node was declared lost" in node0 and "the job went on without it" in node0
+
+
 def _events(report_dir):
     from launcher.events import read_events
 
@@ -382,6 +425,8 @@ def test_the_check_of_a_users_script_fails_when_its_run_is_corrupted(capsys, tmp
         ("kill:node=1@step=3", "kill targets a rank"),
         ("kill-coordinator:rank=0@step=3", "kill-coordinator names no rank or node"),
         ("kill-node:node=0@step=3", "use --nnodes 3 or more"),
+        ("partition:rank=1@step=3", "partition targets a node"),
+        ("partition:node=1@step=3", "neither may decide for it"),
     ],
 )
 def test_bad_fault_specs_are_one_clear_line(capfd, spec, message):
@@ -402,6 +447,8 @@ def test_bad_fault_specs_are_one_clear_line(capfd, spec, message):
         (["kill-node:node=0@step=3"], [0, 2]),
         (["bitflip:rank=1@step=3"], [1, 0]),
         (["kill-coordinator@step=3"], [1, 0]),
+        # A partitioned node's spares are cut off with it.
+        (["partition:node=1@step=3"], [2, 0]),
     ],
 )
 def test_spares_cover_every_lost_rank_on_nodes_that_survive(specs, expected):

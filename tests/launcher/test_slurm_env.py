@@ -343,3 +343,9 @@ def test_a_node_declared_lost_while_it_ran_is_told_the_job_went_on():
     # Another process's record, or a fault from an earlier run of the same run directory.
     assert cli.dropped_from_job([{**log[2], "source": "agent/1"}], 1) is None
     assert cli.dropped_from_job([*log, ev("hello", "agent/1")], 1) is None
+    # A standby that took over declared it lost (it cut node 0 off with its coordinator).
+    took_over = [
+        ev("hello", "agent/0"),
+        {**ev("fault", "agent/0", reason="r"), "source": "coordinator/1"},
+    ]
+    assert cli.dropped_from_job(took_over, 0) == "r"

@@ -151,6 +151,29 @@ def test_a_coordinator_that_hears_under_half_the_nodes_holds_its_decisions(coord
     assert not coordinator._in_quorum(2.6), "1 of 3 (a partition?): a standby may take over"
 
 
+def test_a_process_declared_lost_that_is_heard_again_is_told_the_job_went_on(coordinator):
+    from launcher.decisions import Process
+
+    m = coordinator.membership
+    for node in range(3):
+        m.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, 0.0)
+        coordinator.routes[f"agent/{node}"] = f"agent/{node}".encode()
+    coordinator._apply(m.fault("agent/2", "no heartbeat for 2.0s", 3.0))  # a partition
+    sent = []
+    coordinator._send = lambda identity, type_, body, generation=0: sent.append((identity, type_))
+    heartbeat = _message(0, protocol.HEARTBEAT, "agent/2")
+    coordinator._dispatch(heartbeat, b"agent/2", time.monotonic())  # the link is back
+    coordinator._dispatch(heartbeat, b"agent/2", time.monotonic())
+    assert sent == [("agent/2", protocol.SHUTDOWN)], "told once, not on every message"
+    assert "agent/2" not in m.procs, "and it does not come back into the job"
+    events = read_events(coordinator.config.run_dir)
+    assert [e["identity"] for e in events if e["event"] == "lost_process_heard"] == ["agent/2"]
+    # A process never heard of is no lost one: its message is refused, nothing is sent.
+    with pytest.raises(ValueError, match="before its hello"):
+        coordinator._dispatch(_message(0, protocol.HEARTBEAT, "agent/7"), b"agent/7", 0.0)
+    assert len(sent) == 1
+
+
 def test_a_coordinator_that_receives_a_newer_term_stops(coordinator):
     coordinator._dispatch(_message(1, protocol.HEARTBEAT, "agent/0"), b"agent/0", time.monotonic())
     assert coordinator.exit_code == 0
