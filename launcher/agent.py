@@ -127,6 +127,9 @@ class Agent:
         """The coordinator's reason when it ended the job."""
         self.links: CoordinatorLinks | None = None
         self._voted_for: tuple[int, str] | None = None
+        self._generation = 0
+        """The newest generation a coordinator's message carried: a standby that mirrored an
+        older one would take over a job that has moved on, and gets no vote."""
         self._exits: list[tuple[float, dict[str, Any]]] = []
         """Exits reported lately: sent again to a coordinator that takes over (the one they
         went to may have died before acting on them)."""
@@ -499,6 +502,7 @@ class Agent:
                 self._vote(links, sock, msg)
                 continue
             self._heard = time.monotonic()
+            self._generation = max(self._generation, msg.generation)
             if msg.type == protocol.KILL:
                 body = msg.body
                 self._kill(body["identity"], body["pid"], str(body.get("reason", "")))
@@ -520,13 +524,26 @@ class Agent:
         self, links: CoordinatorLinks, sock: zmq.Socket[bytes], msg: protocol.Message
     ) -> None:
         """A standby asks to take over in a newer term: yes only if this node lost the active
-        coordinator too; once granted, no message of an older term counts here again."""
+        coordinator too and the standby knows the job as it is now (it mirrored the newest
+        generation this node heard of); once granted, no message of an older term counts here
+        again.
+
+        A pre-vote (``pre``) asks whether the vote for the next term would be granted, and
+        changes nothing here: a standby cut off with a minority of nodes gets no majority of
+        pre-votes, so it never starts an election whose term would make this node refuse the
+        coordinator that still runs the job once the partition heals (Raft's PreVote).
+        """
         address = links.address_of(sock)
+        pre = bool(msg.body.get("pre", False))
+        term = msg.term + 1 if pre else msg.term
         silence = float(msg.body.get("silence_s", 1.0)) / 2
         silent = time.monotonic() - self._heard
-        again = self._voted_for == (msg.term, msg.sender)  # its answer may have been lost
-        granted = address is not None and (again or (msg.term > links.term and silent >= silence))
-        if granted and not again:
+        current = int(msg.body.get("generation", self._generation)) >= self._generation
+        again = not pre and self._voted_for == (msg.term, msg.sender)  # its answer was lost?
+        granted = address is not None and (
+            again or (term > links.term and silent >= silence and current)
+        )
+        if granted and not again and not pre:
             self._voted_for = (msg.term, msg.sender)
             links.adopt(msg.term, None)
             self.events.write(
@@ -534,6 +551,8 @@ class Agent:
             )
         if address is not None:
             body: dict[str, Any] = {"granted": granted}
+            if pre:
+                body["pre"] = True
             if not granted:
                 body["active"] = links.active  # a standby left behind follows this one
             links.send_to(address, protocol.VOTED, body)

@@ -542,15 +542,16 @@ class Coordinator:
 
     def _dispatch(self, msg: protocol.Message, routing: bytes, now: float) -> None:
         body = msg.body
-        if msg.term > self.codec.term:
-            self._fenced(msg)
-            return
         if self.link is not None:
-            # Before a takeover a standby acts on nothing but the votes it asked for.
+            # Before a takeover a standby acts on nothing but the answers to its (pre-)votes,
+            # whatever their term: one of a newer term says which standby won it.
             if msg.type != protocol.VOTED or not msg.sender.startswith("agent/"):
                 raise ValueError(f"a standby takes no {msg.type} (from {msg.sender})")
             self._check_route(msg, routing)
             self.link.voted(msg, self.address)
+            return
+        if msg.term > self.codec.term:
+            self._fenced(msg)
             return
         if msg.type == protocol.VOTED:
             return  # an answer that came after this coordinator had won its election

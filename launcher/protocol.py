@@ -130,8 +130,9 @@ WELCOME = "welcome"  # coordinator -> any process after HELLO: {"generation", "s
 # Coordinator takeover (docs/launcher.md, "No single point of failure"):
 STANDBYS = "standbys"  # active coordinator -> everyone: {"addresses"}: the standbys to connect to
 STATE = "state"  # active -> standby coordinator: {"state", "now"}: membership, zlib'd msgpack
-VOTE = "vote"  # standby -> agent: may I take over with the term in my envelope?
-VOTED = "voted"  # agent -> standby: {"granted"}
+VOTE = "vote"  # standby -> agent: may I take over with the term in my envelope (or, with "pre",
+# the next one)? {"silence_s", "pre", "generation": the newest generation it mirrored}
+VOTED = "voted"  # agent -> standby: {"granted", "pre", "active"}
 TAKEOVER = "takeover"  # new active -> everyone: {"store_port"}: talk to me from now on
 CHILDREN = "children"  # agent -> a coordinator that took over: {"identities"} of its processes
 # (their routing ids)
@@ -222,8 +223,8 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     STANDBYS: {"addresses": (_LIST, True)},
     STATE: {"state": ((bytes,), True), "now": ((float,), True), "routes": ((dict,), False)},
-    VOTE: {"silence_s": ((float,), False)},
-    VOTED: {"granted": ((bool,), True), "active": (_STR, False)},
+    VOTE: {"silence_s": ((float,), False), "pre": ((bool,), False), "generation": (_INT, False)},
+    VOTED: {"granted": ((bool,), True), "active": (_STR, False), "pre": ((bool,), False)},
     TAKEOVER: {"store_port": (_INT, True)},
     CHILDREN: {"identities": (_LIST, True)},
     CHALLENGE: {},

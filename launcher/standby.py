@@ -3,11 +3,18 @@ mirrors from it, and the election it runs when the active one falls silent.
 
 The standby says hello to the active coordinator until it is answered, then loads every state
 the active one pushes (:mod:`launcher.mirror`) into its own :class:`Membership`. When nothing has
-come for ``takeover_timeout_s`` it asks the job's agents for their votes in the next *term*; an
-agent votes only when it has lost the active coordinator too. With the votes of more than half
-the nodes it has won (:meth:`StandbyLink.tick` says so, and the coordinator takes over); an
-election that wins no majority in time goes again in a newer term after a random pause, as in
-Raft. An agent that refuses its vote because another standby already won says where that one
+come for ``takeover_timeout_s`` it asks the job's agents whether they would vote for it in the
+next *term* (a pre-vote, which changes no term: Raft's PreVote), and with more than half of them
+saying yes it asks for their votes in that term. An agent votes only when it has lost the active
+coordinator too and the standby mirrored the newest generation it heard of; once it votes it
+obeys no older term. With the votes of more than half the nodes the standby has won
+(:meth:`StandbyLink.tick` says so, and the coordinator takes over); a round that wins no
+majority in time goes again after a random pause, as in Raft.
+
+The pre-vote is what keeps a partition from splitting the job: a standby cut off with a minority
+of nodes never gets a majority of pre-votes, so it never raises the term of the nodes on its
+side, which would make them refuse the coordinator that still runs the job once the partition
+heals. An agent that refuses its vote because another standby already won says where that one
 is, and this standby then follows it instead (:meth:`StandbyLink.voted`).
 """
 
@@ -90,6 +97,9 @@ class StandbyLink:
         """Whether a state was mirrored: without one there is nothing to take over with."""
         self.mirrored_term = 0
         self.votes: set[str] = set()
+        self.pre_votes: set[str] = set()
+        self.electing = False
+        """Whether an election is on (its pre-vote won); else a pre-vote is, once silent."""
         self.votes_asked_at = 0.0
         self._next_vote = 0.0
         self._heard = False
@@ -105,8 +115,7 @@ class StandbyLink:
                 continue  # the coordinator this standby is replacing: too late
             self.heard_active = time.monotonic()
             self._heard = True
-            self.votes.clear()
-            self.votes_asked_at = 0.0
+            self._stand_down()
             if msg.type == protocol.STATE:
                 try:
                     routes = _routes(msg.body.get("routes", {}))
@@ -141,15 +150,23 @@ class StandbyLink:
             return False
         agents = sorted(i for i, p in self.membership.procs.items() if p.role == "agent")
         now = time.monotonic()
-        stalled = self.votes_asked_at and now - self.votes_asked_at > self.takeover_timeout_s
-        if self.codec.term <= self.mirrored_term or stalled:
-            # A new election; one that won no majority in time (two standbys splitting the
-            # votes) goes again in the next term after a random pause, as in Raft.
-            self.codec.term = max(self.codec.term, self.mirrored_term) + 1
+        if not self.votes_asked_at or now - self.votes_asked_at > self.takeover_timeout_s:
+            # A pre-vote, first or again: the last round won no majority in time (nodes still
+            # hear the active one, or two standbys split them), so after a random pause, as in
+            # Raft, it asks again whether they would vote for the next term.
+            if self.votes_asked_at:
+                self._next_vote = now + random.uniform(0, self.takeover_timeout_s / 2)
+            self.electing = False
+            self.pre_votes.clear()
             self.votes.clear()
             self.votes_asked_at = now
-            if stalled:
-                self._next_vote = now + random.uniform(0, self.takeover_timeout_s / 2)
+            self.events.write("pre_vote", term=self.codec.term + 1, silent_s=round(silent, 3))
+        majority = len(agents) // 2 + 1
+        if not self.electing and len(self.pre_votes & set(agents)) >= majority:
+            self.electing = True
+            self.codec.term = max(self.codec.term, self.mirrored_term) + 1
+            self.votes_asked_at = now
+            self._next_vote = now
             self.events.write("election", term=self.codec.term, silent_s=round(silent, 3))
             logger.warning(
                 "the active coordinator has been silent for %.1fs: asking %d nodes for term %d",
@@ -158,21 +175,30 @@ class StandbyLink:
                 self.codec.term,
             )
         if time.monotonic() >= self._next_vote:
+            answered = self.votes if self.electing else self.pre_votes
+            body = {
+                "silence_s": self.takeover_timeout_s,
+                "generation": self.membership.generation,
+                "pre": not self.electing,
+            }
             for identity in agents:
-                if identity not in self.votes:
-                    self._send(identity, protocol.VOTE, {"silence_s": self.takeover_timeout_s})
+                if identity not in answered:
+                    self._send(identity, protocol.VOTE, body)
             self._next_vote = time.monotonic() + VOTE_RETRY_S
-        return bool(agents) and 2 * len(self.votes & set(agents)) > len(agents)
+        return self.electing and bool(agents) and len(self.votes & set(agents)) >= majority
 
     def voted(self, msg: protocol.Message, own_address: str) -> None:
-        """An agent's answer (``voted``, its sender and route checked) to the vote request."""
-        if msg.term == self.codec.term and msg.body["granted"]:
-            self.votes.add(msg.sender)
-            self.events.write("vote", identity=msg.sender, term=msg.term)
-        elif not msg.body["granted"] and msg.body.get("active", self.active) not in (
-            self.active,
-            own_address,
-        ):
+        """An agent's answer (``voted``, its sender and route checked) to a (pre-)vote request."""
+        granted = msg.body["granted"]
+        if granted and msg.body.get("pre"):
+            # Its term is the agent's own, at most this standby's (else it would not say yes).
+            if not self.electing and msg.term <= self.codec.term:
+                self.pre_votes.add(msg.sender)
+        elif granted:
+            if self.electing and msg.term == self.codec.term:
+                self.votes.add(msg.sender)
+                self.events.write("vote", identity=msg.sender, term=msg.term)
+        elif msg.body.get("active", self.active) not in (self.active, own_address):
             self.follow(str(msg.body["active"]), msg.term)
 
     def follow(self, address: str, term: int) -> None:
@@ -188,9 +214,15 @@ class StandbyLink:
         self.active = address
         self.codec.term = self.mirrored_term = term
         self.heard_active = time.monotonic()
-        self.votes.clear()
-        self.votes_asked_at = 0.0
+        self._stand_down()
         self._heard = False  # the hello goes out (again) from the next tick
+
+    def _stand_down(self) -> None:
+        """No (pre-)election: an active coordinator is heard, or followed."""
+        self.electing = False
+        self.votes.clear()
+        self.pre_votes.clear()
+        self.votes_asked_at = 0.0
 
     def close(self) -> None:
         """Close the link (a standby that takes over, or ends)."""

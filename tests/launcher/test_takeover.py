@@ -218,16 +218,24 @@ def _deliver(c: Coordinator, msg: protocol.Message) -> None:
     c._dispatch(msg, msg.sender.encode(), 0.0)
 
 
-def _voted(identity: str, term: int, granted: bool = True):
-    return protocol.Message(protocol.VOTED, identity, 0, 1, {"granted": granted}, 1, term)
+def _voted(identity: str, term: int, granted: bool = True, pre: bool = False):
+    body = {"granted": granted, **({"pre": True} if pre else {})}
+    return protocol.Message(protocol.VOTED, identity, 0, 1, body, 1, term)
 
 
 def test_a_standby_takes_over_with_more_than_half_the_votes_only(standby):
-    standby._standby_tick(standby.link)
-    assert standby.codec.term == 0 and standby.standby, "the active one is not silent yet"
-    standby.link.heard_active -= 1.0
-    standby._standby_tick(standby.link)
-    assert standby.codec.term == 1
+    link = standby.link
+    standby._standby_tick(link)
+    assert standby.codec.term == 0 and not link.votes_asked_at, "the active one is not silent yet"
+    link.heard_active -= 1.0
+    standby._standby_tick(link)
+    assert standby.codec.term == 0 and not link.electing, "a pre-vote first: no term raised"
+    _deliver(standby, _voted("agent/1", 0, pre=True))
+    standby._standby_tick(link)
+    assert standby.codec.term == 0, "1 node of 3 would vote (a partition's minority): no election"
+    _deliver(standby, _voted("agent/2", 0, pre=True))
+    standby._standby_tick(link)
+    assert standby.codec.term == 1 and link.electing, "2 of 3 would: the election of term 1"
     _deliver(standby, _voted("agent/1", 1))
     _deliver(standby, _voted("agent/2", 0))  # an answer to another term counts for nothing
     standby._standby_tick(standby.link)
@@ -240,12 +248,20 @@ def test_a_standby_takes_over_with_more_than_half_the_votes_only(standby):
 
 
 def test_an_election_that_wins_no_majority_in_time_goes_again_in_a_newer_term(standby):
-    standby.link.heard_active -= 1.0
-    standby._standby_tick(standby.link)
+    link = standby.link
+    link.heard_active -= 1.0
+    standby._standby_tick(link)
+    for agent in ("agent/1", "agent/2"):
+        _deliver(standby, _voted(agent, 0, pre=True))
+    standby._standby_tick(link)
     _deliver(standby, _voted("agent/1", 1))
-    standby.link.votes_asked_at -= 1.0  # the takeover timeout passed without a majority
-    standby._standby_tick(standby.link)
-    assert standby.codec.term == 2 and not standby.link.votes and standby.standby
+    link.votes_asked_at -= 1.0  # the takeover timeout passed without a majority
+    standby._standby_tick(link)
+    assert standby.codec.term == 1 and not link.electing and not link.votes and standby.standby
+    for agent in ("agent/0", "agent/2"):
+        _deliver(standby, _voted(agent, 1, pre=True))
+    standby._standby_tick(link)
+    assert standby.codec.term == 2 and link.electing
 
 
 def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover(coordinator):
@@ -278,16 +294,57 @@ def test_a_process_that_said_hello_after_the_last_mirror_is_told_of_the_takeover
 def test_a_standby_left_behind_by_another_ones_takeover_follows_the_winner(standby):
     standby.link.heard_active -= 1.0
     standby._standby_tick(standby.link)
-    assert standby.codec.term == 1
+    assert standby.codec.term == 0
     # The agents hear the winner of term 1 (another standby) and say where it is.
-    refusal = protocol.Message(
-        protocol.VOTED, "agent/0", 0, 1, {"granted": False, "active": "127.0.0.1:7"}, 1, 1
-    )
+    body = {"granted": False, "pre": True, "active": "127.0.0.1:7"}
+    refusal = protocol.Message(protocol.VOTED, "agent/0", 0, 1, body, 1, 1)
     _deliver(standby, refusal)
     assert standby.link.active == "127.0.0.1:7" and standby.standby
     assert standby.codec.term == 1 and not standby.link.votes
     standby._standby_tick(standby.link)
     assert standby.codec.term == 1, "it waits for the new active one, it does not elect"
+
+
+def test_an_agent_says_whether_it_would_vote_and_votes_only_for_a_standby_that_is_current(
+    tmp_path,
+):
+    from launcher.agent import Agent, AgentConfig
+
+    secret = tmp_path / "secret"
+    protocol.write_secret(str(secret))
+    config = AgentConfig(
+        node_rank=1, nnodes=3, nproc_per_node=1, spares=0, command=("train.py",),
+        coordinator="a:1", job_id="job", secret_file=str(secret), run_dir=str(tmp_path),
+    )  # fmt: skip
+    agent = Agent(config)
+    links = _FakeLinks({})
+    answers: list[dict] = []
+    links.send_to = lambda address, type_, body=None: answers.append(body)  # type: ignore[method-assign]
+    standby = links.sockets["b:2"]
+
+    def ask(term: int, generation: int, pre: bool) -> dict:
+        body = {"silence_s": 1.0, "generation": generation, "pre": pre}
+        agent._vote(
+            links, standby, protocol.Message(protocol.VOTE, "coordinator/2", 0, 1, body, 1, term)
+        )
+        return answers[-1]
+
+    try:
+        agent._generation = 2  # the newest generation the active coordinator sent
+        agent._heard = time.monotonic()  # and it was heard just now
+        assert ask(0, 2, pre=True) == {"granted": False, "pre": True, "active": "a:1"}
+        agent._heard -= 1.0  # the active one fell silent here too
+        assert ask(0, 1, pre=True)["granted"] is False, "it mirrored generation 1 only"
+        assert ask(0, 2, pre=True) == {"granted": True, "pre": True}
+        assert links.term == 0 and agent._voted_for is None, "a pre-vote changes nothing"
+        assert ask(1, 2, pre=False) == {"granted": True}
+        assert links.term == 1 and agent._voted_for == (1, "coordinator/2")
+        assert ask(1, 2, pre=False) == {"granted": True}, "the same vote again (one was lost)"
+        assert ask(1, 2, pre=True)["granted"] is True, "it would vote in term 2"
+        assert ask(0, 2, pre=True)["granted"] is False, "term 1 is not newer than its own"
+    finally:
+        links.close()
+        agent.events.close()
 
 
 def _agent_config(**kw):
