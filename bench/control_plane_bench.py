@@ -105,6 +105,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
     import zmq
 
     from launcher import protocol
+    from launcher.agent import decide_vote
     from launcher.client import HELLO_RETRY_S
     from launcher.link import CoordinatorLinks
 
@@ -143,6 +144,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             "last": 0.0,
             "heard": time.monotonic(),  # the last message from the active coordinator
             "voted_for": None,
+            "generation": 0,  # the newest generation the active coordinator sent
             "switched": None,  # when it heartbeat a coordinator that took over
             "told": False,
             # As a real client: a hello goes again until a welcome answers it (a hello or its
@@ -170,16 +172,20 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
         # As launcher.agent.Agent._vote: yes only when this node lost the active one too.
         links = m["links"]
         address = links.address_of(sock)
-        silent = time.monotonic() - m["heard"]
-        again = m["voted_for"] == (msg.term, msg.sender)
-        granted = address is not None and (
-            again or (msg.term > links.term and silent >= float(msg.body.get("silence_s", 1.0)) / 2)
+        granted, binding = decide_vote(
+            msg,
+            term=links.term,
+            silent_s=time.monotonic() - m["heard"],
+            generation=m["generation"],
+            voted_for=m["voted_for"],
         )
-        if granted and not again:
+        granted = granted and address is not None
+        if granted and binding:
             m["voted_for"] = (msg.term, msg.sender)
             links.adopt(msg.term, None)
         if address is not None:
-            links.send_to(address, protocol.VOTED, {"granted": granted})
+            body = {"granted": granted, **({"pre": True} if msg.body.get("pre") else {})}
+            links.send_to(address, protocol.VOTED, body)
 
     todo = spec["members"]
     for i, (identity, role, node, rank) in enumerate(todo):
@@ -256,6 +262,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                         vote(m, item, msg)
                     continue
                 m["heard"] = time.monotonic()
+                m["generation"] = max(m["generation"], msg.generation)
                 if msg.type == protocol.GENERATION:
                     # A rank that forms the generation at once acknowledges it and says nothing
                     # else (``arrived`` goes only where forming takes a while).

@@ -534,16 +534,16 @@ class Agent:
         coordinator that still runs the job once the partition heals (Raft's PreVote).
         """
         address = links.address_of(sock)
-        pre = bool(msg.body.get("pre", False))
-        term = msg.term + 1 if pre else msg.term
-        silence = float(msg.body.get("silence_s", 1.0)) / 2
         silent = time.monotonic() - self._heard
-        current = int(msg.body.get("generation", self._generation)) >= self._generation
-        again = not pre and self._voted_for == (msg.term, msg.sender)  # its answer was lost?
-        granted = address is not None and (
-            again or (term > links.term and silent >= silence and current)
+        granted, binding = decide_vote(
+            msg,
+            term=links.term,
+            silent_s=silent,
+            generation=self._generation,
+            voted_for=self._voted_for,
         )
-        if granted and not again and not pre:
+        granted = granted and address is not None
+        if granted and binding:
             self._voted_for = (msg.term, msg.sender)
             links.adopt(msg.term, None)
             self.events.write(
@@ -551,11 +551,43 @@ class Agent:
             )
         if address is not None:
             body: dict[str, Any] = {"granted": granted}
-            if pre:
+            if msg.body.get("pre"):
                 body["pre"] = True
             if not granted:
                 body["active"] = links.active  # a standby left behind follows this one
             links.send_to(address, protocol.VOTED, body)
+
+
+def decide_vote(
+    msg: protocol.Message,
+    *,
+    term: int,
+    silent_s: float,
+    generation: int,
+    voted_for: tuple[int, str] | None,
+) -> tuple[bool, bool]:
+    """An agent's answer to a standby's ``vote`` (:meth:`Agent._vote` says why each rule).
+
+    Args:
+        msg: The request: its term, and in its body ``pre``, ``silence_s`` (the standby's
+            takeover timeout) and ``generation`` (the newest it mirrored).
+        term: The term this node obeys.
+        silent_s: How long this node has heard nothing from the active coordinator.
+        generation: The newest generation this node heard of.
+        voted_for: The (term, standby) this node voted for last.
+
+    Returns:
+        Whether the vote (or, for a pre-vote, the vote of the next term) is granted, and whether
+        it binds: a granted vote, not a pre-vote or the same vote asked again, is recorded and
+        its term obeyed from then on.
+    """
+    pre = bool(msg.body.get("pre", False))
+    asked = msg.term + 1 if pre else msg.term
+    again = not pre and voted_for == (msg.term, msg.sender)  # its answer may have been lost
+    silence = float(msg.body.get("silence_s", 1.0)) / 2
+    current = int(msg.body.get("generation", generation)) >= generation
+    granted = again or (asked > term and silent_s >= silence and current)
+    return granted, granted and not pre and not again
 
 
 def stop_line(
