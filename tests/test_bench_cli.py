@@ -232,17 +232,14 @@ def test_inject_a_kill_the_coordinators_loss_and_a_hang(capsys, tmp_path, refere
     assert hang["phases"]["detect"] > 2.5 > kill["phases"]["detect"]
 
 
-@pytest.mark.skipif(
+needs_netns = pytest.mark.skipif(
     netns.unavailable() is not None, reason=f"no network namespaces: {netns.unavailable()}"
 )
-def test_a_partition_of_the_coordinators_node_is_survived_and_its_side_decides_nothing(
-    capsys, tmp_path, references
-):
-    # Three nodes in network namespaces; node 0's link goes down in step 4 with the active
-    # coordinator on it. That coordinator runs on, cut off: it hears 1 of 3 nodes and holds
-    # every decision; the standby on node 1 takes over with nodes 1 and 2's votes and replaces
-    # node 0's rank. When the link comes back, node 0 is told the job went on without it, and
-    # its coordinator ends (fenced, or stopped with its node) having decided nothing since.
+
+
+def _partition(capsys, tmp_path, references, node: int):
+    """Three nodes of one rank in network namespaces, ``node``'s link down in step 4: the run
+    (bitwise equal, every node ending 0) and the job's event log."""
     summary = _inject(
         capsys,
         tmp_path,
@@ -255,14 +252,26 @@ def test_a_partition_of_the_coordinators_node_is_survived_and_its_side_decides_n
         "--steps",
         "8",
         "--fault",
-        "partition:node=0@step=4",
+        f"partition:node={node}@step=4",
     )
-    assert summary["bitwise_equal"] is True
     run = summary["modes"]["checkpointless"]
-    assert run["exit_codes"] == [0, 0, 0] and run["not_fired"] == []
+    assert summary["bitwise_equal"] is True and run["not_fired"] == []
+    assert run["exit_codes"] == [0, 0, 0]
+    return run, _events(tmp_path / "report")
+
+
+@needs_netns
+def test_a_partition_of_the_coordinators_node_is_survived_and_its_side_decides_nothing(
+    capsys, tmp_path, references
+):
+    # Node 0's link goes down with the active coordinator on it. That coordinator runs on, cut
+    # off: it hears 1 of 3 nodes and holds every decision; the standby on node 1 takes over
+    # with nodes 1 and 2's votes and replaces node 0's rank. When the link comes back, node 0
+    # is told the job went on without it, and its coordinator ends (fenced, or stopped with its
+    # node) having decided nothing since.
+    run, events = _partition(capsys, tmp_path, references, 0)
     (fault,) = run["faults"]
     assert fault["restored_from"] == "peers" and fault["downtime_s"] > 0
-    events = _events(tmp_path / "report")
     by = {(e["source"], e["event"]) for e in events}
     assert ("coordinator", "quorum_lost") in by and ("coordinator/1", "takeover") in by
     t_cut = next(e["t"] for e in events if e["event"] == "fault_injected")
@@ -274,9 +283,7 @@ def test_a_partition_of_the_coordinators_node_is_survived_and_its_side_decides_n
     assert "this node was declared lost" in node0 and "the job went on without it" in node0
 
 
-@pytest.mark.skipif(
-    netns.unavailable() is not None, reason=f"no network namespaces: {netns.unavailable()}"
-)
+@needs_netns
 def test_a_standby_cut_off_with_a_minority_disturbs_nothing_when_the_partition_heals(
     capsys, tmp_path, references
 ):
@@ -284,23 +291,7 @@ def test_a_standby_cut_off_with_a_minority_disturbs_nothing_when_the_partition_h
     # for votes, but only its own node would give one: its pre-vote raises no term, so once
     # the link is back nothing fences the coordinator that ran the job meanwhile (a term
     # raised by a lost election used to, and the stale standby then took over).
-    summary = _inject(
-        capsys,
-        tmp_path,
-        *FAST,
-        *references,
-        "--nnodes",
-        "3",
-        "--nproc-per-node",
-        "1",
-        "--steps",
-        "8",
-        "--fault",
-        "partition:node=1@step=4",
-    )
-    run = summary["modes"]["checkpointless"]
-    assert summary["bitwise_equal"] is True and run["exit_codes"] == [0, 0, 0]
-    events = _events(tmp_path / "report")
+    _, events = _partition(capsys, tmp_path, references, 1)
     names = {e["event"] for e in events}
     assert "pre_vote" in names and not names & {"election", "takeover", "fenced"}
     assert [e["source"] for e in events if e["event"] == "job_ended"] == ["coordinator"]

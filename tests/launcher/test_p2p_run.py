@@ -136,8 +136,9 @@ def test_two_standbys_take_over_one_after_the_other(start_job):
     (first,) = wait_for(lambda: [e for e in job.events("takeover") if "term" in e], "a takeover")
     winner = first["source"]
     other = "coordinator/2" if winner == "coordinator/1" else "coordinator/1"
-    # The other standby learns of the winner from the agents and mirrors it from then on.
-    job.wait_event("standby_joined", identity=other)
+    # The other standby learns of the winner from the agents and mirrors it from then on (it
+    # must: a standby that mirrored an older generation than the nodes heard of gets no vote).
+    job.wait_event("standby_joined", identity=other, source=winner)
     pid = json.loads((job.run_dir / f"coordinator-{winner.split('/')[1]}.json").read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
     second = wait_for(
