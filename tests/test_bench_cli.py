@@ -339,17 +339,20 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
     assert not [e for e in events if e["event"] == "fault" and "arrive" in e.get("reason", "")]
 
 
-def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp_path):
+def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(
+    capsys, tmp_path, references
+):
     summary = _inject(
         capsys,
         tmp_path,
         *FAST,
+        *references,  # the partition tests' job: one fault-free run serves them all
         "--nnodes",
         "3",
         "--nproc-per-node",
         "1",
         "--steps",
-        "6",
+        "8",
         "--fault",
         "kill-node:node=0@step=3",
     )
