@@ -339,9 +339,7 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
     assert not [e for e in events if e["event"] == "fault" and "arrive" in e.get("reason", "")]
 
 
-def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(
-    capsys, tmp_path, references
-):
+def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp_path, references):
     summary = _inject(
         capsys,
         tmp_path,
