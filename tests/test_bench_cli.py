@@ -237,23 +237,17 @@ needs_netns = pytest.mark.skipif(
 )
 
 
+def _three_nodes(capsys, tmp_path, references, fault: str) -> dict:
+    """``inject`` into 3 nodes of 1 rank, 8 steps, with one ``fault``: its summary. The tests of
+    node losses and partitions share this job, and so its fault-free reference run."""
+    argv = ["--nnodes", "3", "--nproc-per-node", "1", "--steps", "8", "--fault", fault]
+    return _inject(capsys, tmp_path, *FAST, *references, *argv)
+
+
 def _partition(capsys, tmp_path, references, node: int):
     """Three nodes of one rank in network namespaces, ``node``'s link down in step 4: the run
     (bitwise equal, every node ending 0) and the job's event log."""
-    summary = _inject(
-        capsys,
-        tmp_path,
-        *FAST,
-        *references,
-        "--nnodes",
-        "3",
-        "--nproc-per-node",
-        "1",
-        "--steps",
-        "8",
-        "--fault",
-        f"partition:node={node}@step=4",
-    )
+    summary = _three_nodes(capsys, tmp_path, references, f"partition:node={node}@step=4")
     run = summary["modes"]["checkpointless"]
     assert summary["bitwise_equal"] is True and run["not_fired"] == []
     assert run["exit_codes"] == [0, 0, 0]
@@ -340,20 +334,7 @@ def test_the_coordinator_hangs_mid_recovery_a_standby_takes_over_and_it_is_fence
 
 
 def test_losing_node_0_with_the_coordinator_is_an_ordinary_node_loss(capsys, tmp_path, references):
-    summary = _inject(
-        capsys,
-        tmp_path,
-        *FAST,
-        *references,  # the partition tests' job: one fault-free run serves them all
-        "--nnodes",
-        "3",
-        "--nproc-per-node",
-        "1",
-        "--steps",
-        "8",
-        "--fault",
-        "kill-node:node=0@step=3",
-    )
+    summary = _three_nodes(capsys, tmp_path, references, "kill-node:node=0@step=3")
     assert summary["bitwise_equal"] is True
     (fault,) = _report(tmp_path / "report")["modes"]["checkpointless"]["faults"]
     assert fault["restored_from"] == "peers" and fault["downtime_s"] > 0
