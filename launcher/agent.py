@@ -36,6 +36,7 @@ from launcher import protocol
 from launcher.config import setting
 from launcher.events import EventLog
 from launcher.link import CoordinatorLinks
+from launcher.output import OutputConfig, Streams
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class AgentConfig:
         "its checkpoint before the node stops them, seconds (default {default})",
     )
     extra_env: dict[str, str] = field(default_factory=dict)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    """Where the processes' stdout and stderr go (:mod:`launcher.output`)."""
+    log_dir: str | None = None
+    """This node's folder of log files, where ``output`` sends any stream to a file."""
 
 
 @dataclass(slots=True)
@@ -99,6 +104,10 @@ class _Child:
     pidfd: int
     channel: socket.socket
     """The agent's end of the child's local channel (``P2P_AGENT_FD``)."""
+    name: str
+    """Its folder of log files and its console prefix (``rank3``, ``spare1-5``)."""
+    heard_all: bool = False
+    """Its channel has closed: nothing more will come on it."""
     lines: protocol.LocalLines = field(default_factory=protocol.LocalLines)
 
 
@@ -119,6 +128,7 @@ class Agent:
         )
         self.events = EventLog(config.run_dir, self.identity)
         self.children: dict[int, _Child] = {}
+        self.streams = Streams(config.output, config.log_dir)
         self._spawned = 0
         self._signal: int | None = None
         self.env_store_port = 0
@@ -198,14 +208,25 @@ class Agent:
         self._spawned += 1
         identity = f"{role}/{self.config.node_rank}/{self._spawned}"
         routing = protocol.routing_id(identity)
+        name = (
+            f"{self.config.output.role}{rank}"
+            if rank is not None
+            else f"spare{self.config.node_rank}-{self._spawned}"
+        )
+        assert local_rank is not None
         mine, theirs = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
+
+        def popen(**streams: Any) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
                 list(self.config.command),
                 env=self._env(identity, routing, role, rank, local_rank, theirs.fileno()),
                 preexec_fn=_die_with_parent,
                 pass_fds=(theirs.fileno(),),
+                **streams,
             )
+
+        try:
+            proc = self.streams.start(name, local_rank, popen, movable=rank is None)
         except BaseException:
             mine.close()
             raise
@@ -213,8 +234,12 @@ class Agent:
             theirs.close()
         mine.setblocking(False)
         pidfd = os.pidfd_open(proc.pid)
-        self.children[pidfd] = _Child(identity, routing, role, rank, local_rank, proc, pidfd, mine)
-        self.events.write("process_started", identity=identity, role=role, rank=rank, pid=proc.pid)
+        self.children[pidfd] = _Child(
+            identity, routing, role, rank, local_rank, proc, pidfd, mine, name
+        )
+        self.events.write(
+            "process_started", identity=identity, role=role, rank=rank, pid=proc.pid, name=name
+        )
 
     def _spawn_spare(self) -> None:
         # A spare's LOCAL_RANK is the first local slot after the ranks' that no live spare
@@ -259,12 +284,24 @@ class Agent:
                 logger.warning("the channel to %s failed: %s", child.identity, e)
                 return
             if not data:
+                child.heard_all = True
                 return
             for msg in child.lines.feed(data):
                 if msg["type"] == protocol.STOPPED:
                     body = {k: v for k, v in msg.items() if k != "type"}
                     self._stopped[child.identity] = body
                     self.events.write("child_stopped", identity=child.identity, **body)
+                elif msg["type"] == protocol.ASSIGNED:
+                    self._assigned(child, msg.get("rank"))
+
+    def _assigned(self, child: _Child, rank: object) -> None:
+        """A spare took ``rank``: its console output is named and shown as that rank's."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            logger.warning("%s said it took rank %r, which is no rank", child.identity, rank)
+            return
+        name = f"{self.config.output.role}{rank}"
+        self.streams.moved(child.name, name, rank % self.config.nproc_per_node)
+        child.name = name
 
     def _tell(self, child: _Child, type_: str, body: dict[str, Any]) -> None:
         try:
@@ -289,21 +326,30 @@ class Agent:
                 return
 
     def terminate_all(self) -> None:
-        """SIGTERM every child, then SIGKILL whatever is left after a grace period."""
+        """SIGTERM every child, then SIGKILL whatever is left after a grace period; their
+        tee'd output is read meanwhile (a child blocked on a full pipe could not exit)."""
         for child in self.children.values():
             if child.proc.poll() is None:
                 child.proc.terminate()
         deadline = time.monotonic() + _TERMINATE_GRACE_S
-        for child in self.children.values():
-            try:
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        running = {pidfd for pidfd, c in self.children.items() if c.proc.poll() is None}
+        while running and (left_s := deadline - time.monotonic()) > 0:
+            poller = zmq.Poller()
+            for fd in [*running, *self.streams.fds()]:
+                poller.register(fd, zmq.POLLIN)
+            for fd, _ in poller.poll(int(left_s * 1000) + 1):
+                if fd in self.streams:
+                    self.streams.read(fd)
+                elif fd in running and self.children[fd].proc.poll() is not None:
+                    running.discard(fd)
+        for pidfd, child in list(self.children.items()):
+            if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait()
-        for pidfd, child in list(self.children.items()):
             os.close(pidfd)
             child.channel.close()
         self.children.clear()
+        self.streams.close()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -423,14 +469,27 @@ class Agent:
             for sock in links.sockets.values():
                 poller.register(sock, zmq.POLLIN)
             poller.register(wake_r, zmq.POLLIN)
-            for pidfd in self.children:
-                poller.register(pidfd, zmq.POLLIN)
+            for fd in [*self.children, *self.streams.fds()]:
+                poller.register(fd, zmq.POLLIN)
+            channels = {c.channel.fileno(): c for c in self.children.values() if not c.heard_all}
+            for fd in channels:
+                poller.register(fd, zmq.POLLIN)
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
-            for item, _ in poller.poll(int(timeout_ms)):
+            ready = poller.poll(int(timeout_ms))
+            # What a child said on its channel goes before the output it wrote after saying it
+            # (a spare says it took a rank, then prints as that rank).
+            ready.sort(key=lambda event: event[0] not in channels)
+            for item, _ in ready:
                 if item == wake_r:
                     os.read(wake_r, 4096)
                 elif item in self.children:
                     self._reap(item)
+                elif item in self.streams:
+                    self.streams.read(item)
+                elif item in channels:
+                    child = channels[item]
+                    if self.children.get(child.pidfd) is child:  # not reaped just now
+                        self._hear(child)
                 else:
                     code = self._receive(links, item)
                     if code is not None:
@@ -469,11 +528,13 @@ class Agent:
                 break
             poller = zmq.Poller()
             poller.register(wake_r, zmq.POLLIN)
-            for pidfd in self.children:
-                poller.register(pidfd, zmq.POLLIN)
+            for fd in [*self.children, *self.streams.fds()]:
+                poller.register(fd, zmq.POLLIN)
             for item, _ in poller.poll(int(left_s * 1000)):
                 if item == wake_r:
                     os.read(wake_r, 4096)
+                elif item in self.streams:
+                    self.streams.read(item)
                 else:
                     self._reap(item)
         late = sorted(c.identity for c in self.children.values())

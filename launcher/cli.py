@@ -27,8 +27,10 @@ Exit codes (how the job ended, as this node saw it):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -46,7 +48,8 @@ from launcher.config import add_flags, dump, from_args, setting, write_private
 from launcher.coordinator import COORDINATOR_FILE, CoordinatorConfig, config_file
 from launcher.coordinator import run as run_coordinator
 from launcher.events import read_events
-from launcher.membership import JOIN_FAILED, MembershipConfig
+from launcher.membership import JOIN_FAILED, NOT_THE_ENGINE, MembershipConfig
+from launcher.output import OutputConfig, node_log_dir
 from launcher.policy import ElasticConfig
 from recovery.gloo_pairs import LAZY_FROM_RANKS
 
@@ -151,6 +154,11 @@ class RunOptions:
         "the other nodes wait for it (at most --join-timeout)",
     )
     module: bool = setting(False, flag=("-m", "--module"), help="run the script as a module")
+    no_python: bool = setting(
+        False,
+        flag=("--no-python", "--no_python"),
+        help="run the script as a program of its own (e.g. a shell script), not with python",
+    )
     rdzv_backend: str | None = setting(
         None,
         flag=("--rdzv-backend", "--rdzv_backend"),
@@ -193,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, RunOptions, "checkpoint_dir", "checkpoint_every", "resume", "secret_file")
     add_flags(p, RunOptions, "lazy_gloo", "eager_gloo")
     add_flags(p, CoordinatorConfig, "env_store")
-    add_flags(p, RunOptions, "module")
+    add_flags(p, RunOptions, "module", "no_python")
+    output = p.add_argument_group(
+        "the processes' output", "torchrun's flags, with torchrun's meanings (launcher/output.py)"
+    )
+    add_flags(output, OutputConfig, "log_dir", "redirects", "tee", "local_ranks_filter", "role")
     p.add_argument("script", nargs="?", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -277,8 +289,17 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
         )
     if args.stop_checkpoint_timeout_s <= 0:
         raise UsageError("--stop-checkpoint-timeout must be more than 0 s")
-    if script and not args.print_config and not args.module and not Path(args.script).is_file():
+    if args.module and args.no_python:
+        raise UsageError("--module and --no-python cannot both be given")
+    runs = not args.print_config and script
+    if runs and args.no_python and shutil.which(args.script) is None:
+        raise UsageError(f"{args.script} is neither an executable file nor a program on PATH")
+    if runs and not args.module and not args.no_python and not Path(args.script).is_file():
         raise UsageError(f"script {args.script} does not exist")
+    try:
+        args.output = from_args(OutputConfig, args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.external_coordinator and not args.coordinator:
         raise UsageError("--external-coordinator needs --coordinator host:port (where it runs)")
     if args.node_rank > 0 and not args.coordinator:
@@ -452,8 +473,38 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _report_end(code: int, reason: str) -> None:
+def _command(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.no_python:
+        return (args.script, *args.script_args)
+    if args.module:
+        return (sys.executable, "-u", "-m", args.script, *args.script_args)
+    return (sys.executable, "-u", args.script, *args.script_args)
+
+
+def _log_dir(args: argparse.Namespace, run_dir: Path) -> str | None:
+    """This node's folder of log files, made and announced when some stream goes to a file."""
+    output: OutputConfig = args.output
+    if not output.writes_files():
+        return None
+    base = Path(output.log_dir) if output.log_dir else run_dir / "logs"
+    try:
+        folder = node_log_dir(base.resolve(), args.job_id, args.node_rank)
+    except OSError as e:
+        raise UsageError(f"cannot make a log folder under --log-dir {base}: {e}") from None
+    print(
+        f"p2p-run: node {args.node_rank}: the processes' log files are in {folder}", file=sys.stderr
+    )
+    return str(folder)
+
+
+def _report_end(code: int, reason: str, env_store: bool = True) -> None:
     if code != 0 and reason:
+        if NOT_THE_ENGINE in reason and not env_store:
+            # A torchrun user's first run: init_process_group() found no MASTER_PORT.
+            reason += (
+                "; a script that calls init_process_group() itself needs --env-store "
+                "(torchrun's MASTER_ADDR:MASTER_PORT store)"
+            )
         print(f"p2p-run: the job failed: {reason}", file=sys.stderr)
 
 
@@ -555,11 +606,8 @@ def main(argv: list[str] | None = None) -> int:
             coordinator, address = _start_coordinator(args, run_dir, secret)
         elif args.node_rank in standby_nodes(args.standby_coordinators, args.nnodes):
             coordinator, _ = _start_coordinator(args, run_dir, secret, standby_of=address)
-        command = (
-            (sys.executable, "-u", "-m", args.script, *args.script_args)
-            if args.module
-            else (sys.executable, "-u", args.script, *args.script_args)
-        )
+        command = _command(args)
+        log_dir = _log_dir(args, run_dir)
         code = run_agent(
             from_args(
                 AgentConfig,
@@ -575,8 +623,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir=str(run_dir),
                 welcome_timeout_s=args.join_timeout_s,
                 extra_env=_engine_env(args),
+                output=args.output,
+                log_dir=log_dir,
             ),
-            on_end=_report_end,
+            on_end=functools.partial(_report_end, env_store=args.env_store),
         )
         if coordinator is not None and code < 128:  # not stopped by a signal: it ends by itself
             try:

@@ -359,6 +359,7 @@ class ControlClient:
             mine = [r for r, identity in ranks.items() if identity == self.config.identity]
             if mine:
                 self.rank = mine[0]
+                self.tell_agent(protocol.ASSIGNED, {"rank": self.rank})
                 return body
 
     def close(self, timeout_s: float = 5.0) -> None:

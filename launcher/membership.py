@@ -168,6 +168,8 @@ FORMATION_SHARE = 0.25
 
 #: The end code of a job whose nodes did not all join within ``join_timeout_s``.
 JOIN_FAILED = 3
+#: In the reason a job ends with when a rank that never spoke to the coordinator fails.
+NOT_THE_ENGINE = "does not use the engine"
 
 
 class Membership:
@@ -335,8 +337,8 @@ class Membership:
             if code != 0:
                 return self._end(
                     1,
-                    f"rank {rank} ({identity}) exited with code {code} and does not use the "
-                    "engine, so it cannot be recovered in process",
+                    f"rank {rank} ({identity}) exited with code {code} and {NOT_THE_ENGINE}, "
+                    "so it cannot be recovered in process",
                 )
             return self._finish(rank, identity)
         if identity in self.leaving or identity in self.released:

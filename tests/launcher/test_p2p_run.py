@@ -267,6 +267,15 @@ def test_a_plain_torch_script_runs_as_under_torchrun(tmp_path):
     assert outs == ["0 2 0 3.0", "1 2 1 3.0"]
 
 
+def test_a_plain_script_without_env_store_is_told_what_it_lacks(tmp_path):
+    script = str(Path(WORKER).parent / "plain_torch.py")
+    r = _run_cli("--run-dir", str(tmp_path), "--standalone", "--nproc-per-node", "1", script)
+    assert r.returncode == 1
+    (last,) = [line for line in r.stderr.splitlines() if line.startswith("p2p-run:")]
+    assert "does not use the engine" in last and "needs --env-store" in last
+    assert "MASTER_PORT" in r.stderr  # torch's own error, from the rank
+
+
 def test_a_node_declared_lost_while_it_ran_leaves_with_code_0_and_the_job_goes_on(start_job):
     job = start_job(spares=(1, 1), launcher_args=["--coordinator-timeout", "3"])
     job.wait_event("generation_complete", generation=1)

@@ -1,0 +1,349 @@
+"""Where the processes' standard streams go: torchrun's ``--log-dir``, ``--redirects``,
+``--tee`` and ``--local-ranks-filter``, with torchrun's meanings.
+
+By default every process a node starts writes to p2p-run's own stdout and stderr.
+``--redirects`` sends a stream to a file instead, ``<node folder>/<process>/stdout.log`` (and
+``stderr.log``), where the node folder is ``<log-dir>/<job-id>/node<N>_<start time>`` (one per
+p2p-run, so a rerun never overwrites the last run's logs); ``--tee`` sends it to both, the
+console's copy prefixed line by line with the process's name (``[rank3]:``, as torchrun
+prefixes with ``--role`` and the local rank). ``--local-ranks-filter`` keeps only the listed
+local ranks on the console: a filtered stream that is kept in a file is not shown, one that is
+not is discarded. Each takes torchrun's form: ``3`` (both streams, every process), ``1``
+(stdout), ``2`` (stderr), ``0`` (none), or per local rank, ``0:3,1:2``. A spare's local rank
+is its slot after the node's ranks until it takes a rank; from then on its console lines are
+named and filtered as that rank's (:meth:`Streams.moved`).
+
+Tee'd streams reach the agent through pipes that its event loop polls beside everything else
+(:class:`Streams`): no thread is added, and a process's last lines are read after it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+from launcher.config import setting
+
+#: torchrun's stream bits.
+OUT, ERR = 1, 2
+STREAM_NAMES = {OUT: "stdout", ERR: "stderr"}
+#: A tee'd line longer than this reaches the console in pieces (the read buffer stays bounded).
+_LINE_LIMIT_BYTES = 64 * 1024
+_READ_BYTES = 64 * 1024
+
+
+def parse_streams(text: str, flag: str) -> tuple[int, dict[int, int]]:
+    """torchrun's stream selection: ``3`` for every process, or ``0:1,1:2`` per local rank.
+
+    Returns:
+        The streams (``OUT | ERR`` bits) of every process, and those given per local rank
+        (the processes not listed then get none).
+
+    Raises:
+        ValueError: ``text`` is neither form.
+    """
+    fix = f"{flag} takes 0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local rank 0:3,1:2"
+    text = text.strip()
+    if text in ("0", "1", "2", "3"):
+        return int(text), {}
+    per_rank: dict[int, int] = {}
+    for part in text.split(","):
+        rank, sep, bits = part.strip().partition(":")
+        if not sep or not rank.isdigit() or bits not in ("0", "1", "2", "3"):
+            raise ValueError(f"{flag} {text!r}: {fix}")
+        if int(rank) in per_rank:
+            raise ValueError(f"{flag} {text!r}: local rank {rank} is given twice")
+        per_rank[int(rank)] = int(bits)
+    return 0, per_rank
+
+
+def parse_local_ranks(text: str) -> frozenset[int]:
+    """``--local-ranks-filter``'s ``0,1,2`` (empty: every local rank is shown).
+
+    Raises:
+        ValueError: not comma-separated integers.
+    """
+    if not text.strip():
+        return frozenset()
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"--local-ranks-filter {text!r} is not a list of local ranks like 0,1,2")
+    return frozenset(int(p) for p in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one stream of one process goes."""
+
+    file: bool
+    """Into the process's log file."""
+    console: bool
+    """To p2p-run's console."""
+    tee: bool
+    """Tee'd: its console lines carry the process's name (``[rank3]:``), as torchrun's do."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutputConfig:
+    """Where the processes' streams go (the flags torchrun has for it)."""
+
+    log_dir: str | None = setting(
+        None,
+        flag=("--log-dir", "--log_dir"),
+        help="base directory of the processes' log files (--redirects, --tee): each node "
+        "writes under <log-dir>/<job-id>/node<N>_<start time>/ (default <run-dir>/logs)",
+    )
+    redirects: str = setting(
+        "0",
+        flag=("-r", "--redirects"),
+        help="send streams to log files instead of the console, as torchrun's: 3 both, "
+        "1 stdout, 2 stderr, or per local rank 0:3,1:2 (default {default})",
+    )
+    tee: str = setting(
+        "0",
+        flag=("-t", "--tee"),
+        help="send streams to log files and to the console, each line prefixed with the "
+        "process's name ([rank3]:); torchrun's form, as --redirects (default {default})",
+    )
+    local_ranks_filter: str = setting(
+        "",
+        flag=("--local-ranks-filter", "--local_ranks_filter"),
+        help="show only these local ranks' output on the console (e.g. 0,1); log files keep "
+        "everything",
+    )
+    role: str = setting(
+        "rank",
+        flag="--role",
+        help="the name a rank's console prefix starts with ([rank3]:; default {default})",
+    )
+
+    def __post_init__(self) -> None:
+        parse_streams(self.redirects, "--redirects")
+        parse_streams(self.tee, "--tee")
+        parse_local_ranks(self.local_ranks_filter)
+        if not self.role or any(c in self.role for c in "/\n[]") or self.role.isspace():
+            raise ValueError(f"--role {self.role!r} must be a plain name such as rank")
+
+    def routes(self, local_rank: int) -> dict[int, Route]:
+        """Where each stream of the process in local slot ``local_rank`` goes (torchrun's
+        rules: a tee'd stream is also a redirected one; the filter hides the console's)."""
+        every, per_rank = parse_streams(self.redirects, "--redirects")
+        tee_every, tee_per_rank = parse_streams(self.tee, "--tee")
+        tee = tee_per_rank.get(local_rank, tee_every)
+        redirected = per_rank.get(local_rank, every) | tee
+        shown = parse_local_ranks(self.local_ranks_filter)
+        on_console = not shown or local_rank in shown
+        routes = {}
+        for stream in (OUT, ERR):
+            teed, file = bool(tee & stream), bool(redirected & stream)
+            routes[stream] = Route(file=file, console=on_console and (teed or not file), tee=teed)
+        return routes
+
+    def shown(self, local_rank: int) -> bool:
+        """Whether ``--local-ranks-filter`` lets local rank ``local_rank`` on the console."""
+        shown = parse_local_ranks(self.local_ranks_filter)
+        return not shown or local_rank in shown
+
+    def writes_files(self) -> bool:
+        """Whether any process writes a log file."""
+        specs = [parse_streams(self.redirects, "--redirects"), parse_streams(self.tee, "--tee")]
+        return any(every or any(per_rank.values()) for every, per_rank in specs)
+
+
+def node_log_dir(base: Path, job_id: str, node_rank: int) -> Path:
+    """Make this node's folder of log files, one per p2p-run (``node<N>_<start time>``,
+    with ``_2``, ``_3``, ... after it when a run started the same second)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    parent = base / job_id
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = parent / (f"node{node_rank}_{stamp}" + (f"_{n}" if n > 1 else ""))
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{parent}: 999 log folders of node {node_rank} started at {stamp}")
+
+
+@dataclass(slots=True)
+class _Pipe:
+    """One stream the agent reads: its pipe's read end, its log file and its console."""
+
+    fd: int
+    name: str
+    file: BinaryIO | None
+    console: IO[bytes]
+    shown: bool
+    tee: bool
+    partial: bytearray = field(default_factory=bytearray)
+
+    @property
+    def prefix(self) -> bytes:
+        return f"[{self.name}]:".encode() if self.tee else b""
+
+
+class Streams:
+    """The agent's side of its processes' streams: what each is started with, and the pipes
+    it reads (tee'd streams, and a spare's under ``--local-ranks-filter``).
+
+    Args:
+        config: Where streams go.
+        log_dir: This node's folder of log files (``None``: no file is needed).
+        console: The console's stdout and stderr (p2p-run's own by default).
+    """
+
+    def __init__(
+        self,
+        config: OutputConfig,
+        log_dir: str | None,
+        console: dict[int, IO[bytes]] | None = None,
+    ) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self._console = console or {OUT: sys.stdout.buffer, ERR: sys.stderr.buffer}
+        self._pipes: dict[int, _Pipe] = {}
+
+    def start(
+        self,
+        name: str,
+        local_rank: int,
+        popen: Callable[..., subprocess.Popen[bytes]],
+        *,
+        movable: bool = False,
+    ) -> subprocess.Popen[bytes]:
+        """Start process ``name`` with ``popen(stdout=..., stderr=...)``, its streams routed.
+
+        Args:
+            name: The process's name: its folder of log files and its console prefix.
+            local_rank: Its local slot (a spare's comes after the node's ranks).
+            popen: Starts it, given ``subprocess.Popen``'s ``stdout`` and ``stderr``.
+            movable: A spare, which may take a rank (:meth:`moved`). Under
+                ``--local-ranks-filter`` its console then follows that rank's, so its streams
+                come through the agent.
+        """
+        movable = movable and bool(parse_local_ranks(self.config.local_ranks_filter))
+        routes = self.config.routes(local_rank)
+        args: dict[str, Any] = {}
+        piped: dict[int, BinaryIO | None] = {}  # the streams read here, with their files
+        handed: list[BinaryIO] = []  # the files the child writes itself
+        try:
+            for stream, route in routes.items():
+                key = STREAM_NAMES[stream]
+                file = self._open(name, stream) if route.file else None
+                if (route.tee and (route.console or movable)) or (file is None and movable):
+                    args[key] = subprocess.PIPE
+                    piped[stream] = file
+                elif file is not None:
+                    args[key] = file
+                    handed.append(file)
+                else:
+                    args[key] = None if route.console else subprocess.DEVNULL
+            proc = popen(**args)
+        except BaseException:
+            for f in piped.values():
+                if f is not None:
+                    f.close()
+            raise
+        finally:
+            for f in handed:  # the child has its own copies
+                f.close()
+        for stream, pipe in ((OUT, proc.stdout), (ERR, proc.stderr)):
+            if pipe is None:
+                continue
+            fd = os.dup(pipe.fileno())  # the Popen's file object is closed: only fd is read
+            pipe.close()
+            os.set_blocking(fd, False)
+            route = routes[stream]
+            self._pipes[fd] = _Pipe(
+                fd, name, piped[stream], self._console[stream], route.console, route.tee
+            )
+        return proc
+
+    def moved(self, name: str, new_name: str, local_rank: int) -> None:
+        """Process ``name`` (a spare) has taken the rank that is ``new_name``, in local slot
+        ``local_rank``: its console lines are named so, and shown as that slot's are."""
+        for pipe in self._pipes.values():
+            if pipe.name == name:
+                pipe.name = new_name
+                pipe.shown = self.config.shown(local_rank) and (pipe.tee or pipe.file is None)
+
+    def fds(self) -> list[int]:
+        """The pipes to poll."""
+        return list(self._pipes)
+
+    def __contains__(self, fd: object) -> bool:
+        return fd in self._pipes
+
+    def read(self, fd: int) -> None:
+        """Copy what pipe ``fd`` holds to its file and its console; at its end, close it."""
+        pipe = self._pipes[fd]
+        while True:
+            try:
+                data = os.read(fd, _READ_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not data:
+                self._close(pipe)
+                return
+            if pipe.file is not None:
+                pipe.file.write(data)
+                pipe.file.flush()
+            if pipe.shown:
+                self._to_console(pipe, data)
+
+    def drain(self) -> None:
+        """Read every pipe as far as it goes now."""
+        for fd in list(self._pipes):
+            self.read(fd)
+
+    def close(self) -> None:
+        """Read what is left and close every pipe and file (a pipe a process's own child
+        still holds open is closed on this side)."""
+        self.drain()
+        for pipe in list(self._pipes.values()):
+            self._close(pipe)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _open(self, name: str, stream: int) -> BinaryIO:
+        assert self.log_dir is not None, "a route to a file needs the node's log folder"
+        folder = Path(self.log_dir) / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return open(folder / f"{STREAM_NAMES[stream]}.log", "ab")
+
+    def _to_console(self, pipe: _Pipe, data: bytes) -> None:
+        pipe.partial += data
+        lines = list(_lines(pipe.partial))
+        if lines:
+            pipe.console.write(b"".join(pipe.prefix + line for line in lines))
+            pipe.console.flush()
+
+    def _close(self, pipe: _Pipe) -> None:
+        del self._pipes[pipe.fd]
+        if pipe.partial and pipe.shown:
+            pipe.console.write(pipe.prefix + bytes(pipe.partial) + b"\n")
+            pipe.console.flush()
+        os.close(pipe.fd)
+        if pipe.file is not None:
+            pipe.file.close()
+
+
+def _lines(buffer: bytearray) -> Iterator[bytes]:
+    """Take the complete lines out of ``buffer`` (and pieces of any over the limit)."""
+    while True:
+        end = buffer.find(b"\n")
+        if end < 0:
+            if len(buffer) < _LINE_LIMIT_BYTES:
+                return
+            end = _LINE_LIMIT_BYTES - 1
+            yield bytes(buffer[: end + 1]) + b"\n"
+        else:
+            yield bytes(buffer[: end + 1])
+        del buffer[: end + 1]

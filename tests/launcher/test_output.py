@@ -1,0 +1,212 @@
+"""Where the processes' streams go: torchrun's --log-dir, --redirects, --tee and
+--local-ranks-filter, from their rules to p2p-run's console and files."""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.output import ERR, OUT, OutputConfig, Route, Streams, parse_streams
+
+CHATTY = str(Path(__file__).parent / "scripts" / "chatty.py")
+C = Route(file=False, console=True, tee=False)  # p2p-run's own console
+D = Route(file=False, console=False, tee=False)  # discarded
+F = Route(file=True, console=False, tee=False)  # the log file only
+T = Route(file=True, console=True, tee=True)  # both, console lines prefixed
+H = Route(file=True, console=False, tee=True)  # tee'd, but filtered off the console
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [("0", (0, {})), ("3", (3, {})), ("0:1,1:2", (0, {0: 1, 1: 2})), (" 2:3 ", (0, {2: 3}))],
+)
+def test_stream_selections_read_as_torchrun_reads_them(text, parsed):
+    assert parse_streams(text, "--tee") == parsed
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tee": "4"}, "--tee '4': --tee takes 0 (none), 1 (stdout)"),
+        ({"redirects": "0:1,x:2"}, "--redirects '0:1,x:2'"),
+        ({"redirects": "0:1,0:2"}, "--redirects '0:1,0:2': local rank 0 is given twice"),
+        ({"local_ranks_filter": "0,one"}, "--local-ranks-filter '0,one' is not a list"),
+        ({"role": "a/b"}, "--role 'a/b' must be a plain name"),
+    ],
+)
+def test_bad_selections_are_refused_with_the_flag_named(kwargs, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        OutputConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, local_rank, out, err",
+    [
+        ({}, 0, C, C),  # the default: p2p-run's own console
+        ({"redirects": "3"}, 0, F, F),
+        ({"redirects": "1"}, 1, F, C),
+        ({"tee": "3"}, 0, T, T),
+        ({"tee": "2", "redirects": "1"}, 0, F, T),  # a tee'd stream is also redirected
+        ({"redirects": "0:3,1:2"}, 1, C, F),
+        ({"redirects": "0:3"}, 1, C, C),  # a rank not listed gets none
+        ({"tee": "3", "local_ranks_filter": "0"}, 0, T, T),
+        ({"tee": "3", "local_ranks_filter": "0"}, 1, H, H),  # kept in files, not shown
+        ({"local_ranks_filter": "0"}, 1, D, D),  # neither shown nor kept: as torchrun
+        ({"tee": "1", "local_ranks_filter": "1"}, 0, H, D),
+    ],
+)
+def test_routes_follow_torchruns_rules(kwargs, local_rank, out, err):
+    assert OutputConfig(**kwargs).routes(local_rank) == {OUT: out, ERR: err}
+
+
+def test_files_are_needed_only_when_a_stream_goes_to_one():
+    assert not OutputConfig().writes_files()
+    assert not OutputConfig(local_ranks_filter="0").writes_files()
+    assert OutputConfig(tee="0:0,3:2").writes_files()
+    assert OutputConfig(redirects="1").writes_files()
+
+
+def test_tee_copies_every_byte_to_the_file_and_prefixed_lines_to_the_console(tmp_path):
+    """A real child writing through real pipes: more than a pipe holds, a line longer than
+    the console's line limit, and a last line with no newline."""
+    console = {OUT: io.BytesIO(), ERR: io.BytesIO()}
+    streams = Streams(OutputConfig(tee="3"), str(tmp_path), console)
+    code = (
+        "import sys\n"
+        "sys.stdout.write(''.join(f'{i:07d}\\n' for i in range(40000)))\n"
+        "sys.stdout.write('y' * 100000 + '\\n')\n"
+        "sys.stderr.write('a warning\\nno newline')\n"
+    )
+    proc = streams.start(
+        "rank7", 0, functools.partial(subprocess.Popen, [sys.executable, "-c", code])
+    )
+    assert len(streams.fds()) == 2
+    while streams.fds():
+        ready, _, _ = select.select(streams.fds(), [], [], 30)
+        assert ready, "the child's pipes went silent without closing"
+        for fd in ready:
+            streams.read(fd)
+    assert proc.wait(timeout=30) == 0
+    expected_out = "".join(f"{i:07d}\n" for i in range(40000)) + "y" * 100000 + "\n"
+    assert (tmp_path / "rank7" / "stdout.log").read_text() == expected_out
+    assert (tmp_path / "rank7" / "stderr.log").read_text() == "a warning\nno newline"
+    out_lines = console[OUT].getvalue().split(b"\n")
+    assert out_lines[0] == b"[rank7]:0000000" and out_lines[39999] == b"[rank7]:0039999"
+    # The long line reaches the console in bounded pieces, each prefixed.
+    pieces = out_lines[40000:-1]
+    assert len(pieces) == 2 and all(p.startswith(b"[rank7]:y") for p in pieces)
+    assert sum(len(p) - len(b"[rank7]:") for p in pieces) == 100000
+    assert console[ERR].getvalue() == b"[rank7]:a warning\n[rank7]:no newline\n"
+
+
+def test_a_stream_sent_to_a_file_reaches_only_the_file(tmp_path):
+    console = {OUT: io.BytesIO(), ERR: io.BytesIO()}
+    streams = Streams(OutputConfig(redirects="1", local_ranks_filter="0"), str(tmp_path), console)
+    code = "import sys; print('out'); print('err', file=sys.stderr)"
+    proc = streams.start(
+        "spare0-3", 2, functools.partial(subprocess.Popen, [sys.executable, "-c", code])
+    )
+    assert streams.fds() == [] and proc.wait(timeout=30) == 0
+    assert (tmp_path / "spare0-3" / "stdout.log").read_text() == "out\n"
+    assert not (tmp_path / "spare0-3" / "stderr.log").exists()  # filtered out: discarded
+    streams.close()
+    assert console[OUT].getvalue() == console[ERR].getvalue() == b""
+
+
+def _p2p_run(tmp_path, *args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "--run-dir", str(tmp_path / "run"), *args],
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_torchtitans_launch_line_shows_rank_0_and_keeps_every_rank_in_files(tmp_path):
+    # torchtitan's run_train.sh: --local-ranks-filter 0 --role rank --tee 3.
+    flags = ["--nproc_per_node=2", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
+    r = _p2p_run(tmp_path, "--standalone", *flags, "--log-dir", str(tmp_path / "logs"), CHATTY)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"[rank0]:step 1 loss 2.5 on rank 0\n[rank0]:done 0\n"
+    (announced,) = [line for line in r.stderr.decode().splitlines() if "log files" in line]
+    (node,) = (tmp_path / "logs" / "p2p-job").iterdir()
+    assert announced.endswith(str(node)) and node.name.startswith("node0_")
+    assert "[rank0]:a warning on rank 0" in r.stderr.decode()
+    assert "rank 1" not in r.stdout.decode() + r.stderr.decode()
+    rank1 = (node / "rank1" / "stdout.log").read_text().splitlines()
+    assert rank1[0] == "step 1 loss 2.5 on rank 1" and rank1[-1] == "done 1"
+    assert rank1[1:-1] == [f"{i:063d}" for i in range(16384)]
+    assert (node / "rank1" / "stderr.log").read_text() == "a warning on rank 1\n"
+    assert (node / "rank0" / "stdout.log").read_text().endswith("done 0")
+
+
+@pytest.mark.slow
+def test_redirected_ranks_say_nothing_on_the_console_and_a_rerun_keeps_the_last_logs(tmp_path):
+    for _ in range(2):
+        r = _p2p_run(tmp_path, "--standalone", "--nproc-per-node", "2", "-r", "3", CHATTY)
+        assert r.returncode == 0, r.stderr
+        (line,) = r.stderr.decode().splitlines()  # where the logs are, and nothing else
+        assert r.stdout == b"" and "the processes' log files are in" in line
+    nodes = sorted((tmp_path / "run" / "logs" / "p2p-job").iterdir())  # <run-dir>/logs
+    assert len(nodes) == 2
+    for node in nodes:
+        assert (node / "rank0" / "stderr.log").read_text() == "a warning on rank 0\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tee", "5", CHATTY], "--tee '5': --tee takes 0 (none)"),
+        (["--local-ranks-filter", "first", CHATTY], "--local-ranks-filter 'first'"),
+        (["-m", "--no-python", "json.tool"], "--module and --no-python cannot both be given"),
+        (["--no-python", "no-such-program"], "neither an executable file nor a program on PATH"),
+    ],
+)
+def test_bad_output_flags_are_one_clear_line(tmp_path, args, message):
+    r = _p2p_run(tmp_path, *args)
+    lines = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.slow
+def test_no_python_runs_a_program_of_its_own(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE"\n')
+    script.chmod(0o755)
+    r = _p2p_run(
+        tmp_path, "--standalone", "--nproc-per-node", "2", "--tee", "1", "--no-python", str(script)
+    )
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.decode().splitlines()) == ["[rank0]:rank 0 of 2", "[rank1]:rank 1 of 2"]
+
+
+@pytest.mark.slow
+def test_a_spare_that_takes_rank_0_is_shown_as_rank_0(start_job):
+    """torchtitan's view (--tee 3 --local-ranks-filter 0) must not go dark when rank 0 dies:
+    the spare that takes its place prints as ``[rank0]:``, and only from then on."""
+    flags = ["--tee", "3", "--local-ranks-filter", "0"]
+    job = start_job(spares=(1, 0), extra=["--say"], launcher_args=flags)
+    job.wait_event("generation_complete", generation=1)
+    (spare,) = job.events("process_started", role="spare")
+    os.kill(job.pid_of(0), signal.SIGKILL)
+    job.wait_event("generation_complete", generation=2)
+    assert job.stop() == [0, 0]
+    console = (job.run_dir / "p2p-run-0.log").read_text().splitlines()
+    said = [line for line in console if line.startswith("[")]
+    assert said == [
+        "[rank0]:rank/0/1 is rank 0 in generation 1",
+        f"[rank0]:{spare['identity']} is rank 0 in generation 2",
+    ]
+    (logs,) = (job.run_dir / "logs" / "p2p-job").glob("node0_*")
+    assert (logs / spare["name"] / "stdout.log").read_text() == (
+        f"{spare['identity']} waits\n{spare['identity']} is rank 0 in generation 2\n"
+    )
+    assert "rank/0/2 is rank 1 in generation 2" in (logs / "rank1" / "stdout.log").read_text()
