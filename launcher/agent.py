@@ -165,6 +165,7 @@ class Agent:
         env.update(
             {
                 "WORLD_SIZE": str(world),
+                "ROLE_WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
                 "GROUP_RANK": str(cfg.node_rank),
                 "GROUP_WORLD_SIZE": str(cfg.nnodes),

@@ -461,8 +461,17 @@ def _start_coordinator(
 
 
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """The settings engine scripts read (``p2p_state.protect``'s defaults)."""
-    env = {protocol.ENV_REPLICAS: str(args.replicas)}
+    """The settings engine scripts read (``p2p_state.protect``'s defaults), and the rest of
+    torchrun's environment: frameworks tell a torchrun launch by ``TORCHELASTIC_RUN_ID``
+    (``torch.distributed.is_torchelastic_launched()``). The restart count stays 0: p2p-run
+    never restarts the ranks as a group."""
+    env = {
+        "TORCHELASTIC_RUN_ID": args.job_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+        "ROLE_NAME": args.role,
+        protocol.ENV_REPLICAS: str(args.replicas),
+    }
     if args.checkpoint_dir:
         env[protocol.ENV_CHECKPOINT_DIR] = args.checkpoint_dir
         env[protocol.ENV_CHECKPOINT_EVERY] = str(args.checkpoint_every)

@@ -177,15 +177,18 @@ def test_bad_output_flags_are_one_clear_line(tmp_path, args, message):
 
 
 @pytest.mark.slow
-def test_no_python_runs_a_program_of_its_own(tmp_path):
+def test_no_python_runs_a_program_of_its_own_with_torchruns_environment(tmp_path):
     script = tmp_path / "train.sh"
-    script.write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE"\n')
+    env = "$TORCHELASTIC_RUN_ID $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS"
+    script.write_text(f'#!/bin/sh\necho "$RANK of $WORLD_SIZE/$ROLE_WORLD_SIZE $ROLE_NAME {env}"\n')
     script.chmod(0o755)
-    r = _p2p_run(
-        tmp_path, "--standalone", "--nproc-per-node", "2", "--tee", "1", "--no-python", str(script)
-    )
+    flags = ["--nproc-per-node", "2", "--tee", "1", "--role", "trainer", "--max-restarts", "2"]
+    r = _p2p_run(tmp_path, "--standalone", "--rdzv-id", "j7", *flags, "--no-python", str(script))
     assert r.returncode == 0, r.stderr
-    assert sorted(r.stdout.decode().splitlines()) == ["[rank0]:rank 0 of 2", "[rank1]:rank 1 of 2"]
+    # torch.distributed.is_torchelastic_launched() reads TORCHELASTIC_RUN_ID.
+    assert sorted(r.stdout.decode().splitlines()) == [
+        f"[trainer{rank}]:{rank} of 2/2 trainer j7 0 2" for rank in (0, 1)
+    ]
 
 
 @pytest.mark.slow
