@@ -336,12 +336,13 @@ class Agent:
         running = {pidfd for pidfd, c in self.children.items() if c.proc.poll() is None}
         while running and (left_s := deadline - time.monotonic()) > 0:
             poller = zmq.Poller()
-            for fd in [*running, *self.streams.fds()]:
+            for fd in running:
                 poller.register(fd, zmq.POLLIN)
+            consoles = self._watch_streams(poller)
             for fd, _ in poller.poll(int(left_s * 1000) + 1):
-                if fd in self.streams:
-                    self.streams.read(fd)
-                elif fd in running and self.children[fd].proc.poll() is not None:
+                if self._serve_stream(fd, consoles):
+                    continue
+                if fd in running and self.children[fd].proc.poll() is not None:
                     running.discard(fd)
         for pidfd, child in list(self.children.items()):
             if child.proc.poll() is None:
@@ -351,6 +352,26 @@ class Agent:
             child.channel.close()
         self.children.clear()
         self.streams.close()
+
+    def _watch_streams(self, poller: zmq.Poller) -> list[int]:
+        """Poll the children's pipes, and the consoles that have bytes waiting for them (the
+        loop never blocks on a console: it also sends the heartbeats). Returns the latter."""
+        for fd in self.streams.fds():
+            poller.register(fd, zmq.POLLIN)
+        consoles = self.streams.consoles_waiting()
+        for fd in consoles:
+            poller.register(fd, zmq.POLLOUT)
+        return consoles
+
+    def _serve_stream(self, fd: int, consoles: list[int]) -> bool:
+        """Read pipe ``fd`` or write console ``fd``; ``False``: it is neither."""
+        if fd in self.streams:
+            self.streams.read(fd)
+        elif fd in consoles:
+            self.streams.write_console(fd)
+        else:
+            return False
+        return True
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -470,8 +491,9 @@ class Agent:
             for sock in links.sockets.values():
                 poller.register(sock, zmq.POLLIN)
             poller.register(wake_r, zmq.POLLIN)
-            for fd in [*self.children, *self.streams.fds()]:
+            for fd in self.children:
                 poller.register(fd, zmq.POLLIN)
+            consoles = self._watch_streams(poller)
             channels = {c.channel.fileno(): c for c in self.children.values() if not c.heard_all}
             for fd in channels:
                 poller.register(fd, zmq.POLLIN)
@@ -485,8 +507,8 @@ class Agent:
                     os.read(wake_r, 4096)
                 elif item in self.children:
                     self._reap(item)
-                elif item in self.streams:
-                    self.streams.read(item)
+                elif self._serve_stream(item, consoles):
+                    continue
                 elif item in channels:
                     child = channels[item]
                     if self.children.get(child.pidfd) is child:  # not reaped just now
@@ -529,14 +551,13 @@ class Agent:
                 break
             poller = zmq.Poller()
             poller.register(wake_r, zmq.POLLIN)
-            for fd in [*self.children, *self.streams.fds()]:
+            for fd in self.children:
                 poller.register(fd, zmq.POLLIN)
+            consoles = self._watch_streams(poller)
             for item, _ in poller.poll(int(left_s * 1000)):
                 if item == wake_r:
                     os.read(wake_r, 4096)
-                elif item in self.streams:
-                    self.streams.read(item)
-                else:
+                elif not self._serve_stream(item, consoles):
                     self._reap(item)
         late = sorted(c.identity for c in self.children.values())
         for child in self.children.values():

@@ -20,13 +20,15 @@ Tee'd streams reach the agent through pipes that its event loop polls beside eve
 from __future__ import annotations
 
 import os
+import select
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from launcher.config import setting
 
@@ -36,6 +38,10 @@ STREAM_NAMES = {OUT: "stdout", ERR: "stderr"}
 #: A tee'd line longer than this reaches the console in pieces (the read buffer stays bounded).
 _LINE_LIMIT_BYTES = 64 * 1024
 _READ_BYTES = 64 * 1024
+#: Console output waiting for a console that does not keep up (a terminal paused with Ctrl-S, a
+#: pipe nobody reads) is kept up to this much per stream, the oldest lines dropped first: the
+#: agent never blocks on its console, since the same loop sends the node's heartbeats.
+CONSOLE_BACKLOG_BYTES = 4 * 1024 * 1024
 
 
 def parse_streams(text: str, flag: str) -> tuple[int, dict[int, int]]:
@@ -172,6 +178,82 @@ def node_log_dir(base: Path, job_id: str, node_rank: int) -> Path:
     raise FileExistsError(f"{parent}: 999 log folders of node {node_rank} started at {stamp}")
 
 
+class Console:
+    """One of p2p-run's console streams, written only as fast as it takes the bytes.
+
+    A terminal or a pipe is written through a descriptor of its own opened non-blocking (the
+    one p2p-run inherited is shared with the processes that print to the console directly,
+    whose writes must keep blocking); a regular file never holds a write up.
+
+    Args:
+        fd: The console's descriptor (p2p-run's stdout or stderr).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._own = False
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+            try:
+                self.fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                self._own = True
+            except OSError:  # written when poll says it takes bytes, a little at a time
+                pass
+        # What a blocking pipe or socket that poll calls writable takes without blocking.
+        self._chunk_bytes = _READ_BYTES if self._own or stat.S_ISREG(mode) else select.PIPE_BUF
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLOUT)
+        self.backlog = bytearray()
+        self.dropped_bytes = 0
+        self.broken = False
+
+    @property
+    def waiting(self) -> bool:
+        """Whether bytes wait for the console to take them."""
+        return bool(self.backlog) and not self.broken
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` and write what the console takes now."""
+        if self.broken:
+            return
+        self.backlog += data
+        excess = len(self.backlog) - CONSOLE_BACKLOG_BYTES
+        if excess > 0:
+            cut = self.backlog.find(b"\n", excess)
+            cut = len(self.backlog) if cut < 0 else cut + 1
+            del self.backlog[:cut]
+            self.dropped_bytes += cut
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what the console takes now, without blocking."""
+        while self.waiting and self._poll.poll(0):
+            if self.dropped_bytes:
+                self.backlog[:0] = (
+                    f"p2p-run: {self.dropped_bytes} bytes of the processes' output were not "
+                    "shown: the console did not keep up (log files keep everything)\n"
+                ).encode()
+                self.dropped_bytes = 0
+            try:
+                written = os.write(self.fd, self.backlog[: self._chunk_bytes])
+            except BlockingIOError:
+                return
+            except OSError:  # the console is gone (p2p-run ... | head): nothing to show
+                self.broken = True
+                self.backlog.clear()
+                return
+            del self.backlog[:written]
+
+    def close(self, timeout_s: float) -> None:
+        """Write what waits, for at most ``timeout_s`` (the rest is dropped)."""
+        deadline = time.monotonic() + timeout_s
+        while self.waiting and (left_s := deadline - time.monotonic()) > 0:
+            self._poll.poll(int(left_s * 1000) + 1)
+            self.flush()
+        if self._own:
+            os.close(self.fd)
+
+
 @dataclass(slots=True)
 class _Pipe:
     """One stream the agent reads: its pipe's read end, its log file and its console."""
@@ -179,7 +261,7 @@ class _Pipe:
     fd: int
     name: str
     file: BinaryIO | None
-    console: IO[bytes]
+    console: Console
     shown: bool
     tee: bool
     partial: bytearray = field(default_factory=bytearray)
@@ -196,18 +278,22 @@ class Streams:
     Args:
         config: Where streams go.
         log_dir: This node's folder of log files (``None``: no file is needed).
-        console: The console's stdout and stderr (p2p-run's own by default).
+        console: The descriptors of the console's stdout and stderr (p2p-run's own by
+            default).
     """
 
     def __init__(
         self,
         config: OutputConfig,
         log_dir: str | None,
-        console: dict[int, IO[bytes]] | None = None,
+        console: dict[int, int] | None = None,
     ) -> None:
         self.config = config
         self.log_dir = log_dir
-        self._console = console or {OUT: sys.stdout.buffer, ERR: sys.stderr.buffer}
+        fds = console or {OUT: sys.stdout.fileno(), ERR: sys.stderr.fileno()}
+        self._console_fds = fds
+        self._consoles: dict[int, Console] = {}
+        """Opened when a pipe first needs one."""
         self._pipes: dict[int, _Pipe] = {}
 
     def start(
@@ -262,7 +348,7 @@ class Streams:
             os.set_blocking(fd, False)
             route = routes[stream]
             self._pipes[fd] = _Pipe(
-                fd, name, piped[stream], self._console[stream], route.console, route.tee
+                fd, name, piped[stream], self._console(stream), route.console, route.tee
             )
         return proc
 
@@ -275,10 +361,21 @@ class Streams:
                 pipe.shown = self.config.shown(local_rank) and (pipe.tee or pipe.file is None)
 
     def fds(self) -> list[int]:
-        """The pipes to poll."""
+        """The pipes to poll for reading."""
         return list(self._pipes)
 
+    def consoles_waiting(self) -> list[int]:
+        """The console descriptors to poll for writing (bytes wait for them)."""
+        return [c.fd for c in self._consoles.values() if c.waiting]
+
+    def write_console(self, fd: int) -> None:
+        """Console ``fd`` takes bytes: write what it takes."""
+        for console in self._consoles.values():
+            if console.fd == fd:
+                console.flush()
+
     def __contains__(self, fd: object) -> bool:
+        """Whether ``fd`` is a pipe read here."""
         return fd in self._pipes
 
     def read(self, fd: int) -> None:
@@ -303,12 +400,16 @@ class Streams:
         for fd in list(self._pipes):
             self.read(fd)
 
-    def close(self) -> None:
+    def close(self, console_timeout_s: float = 2.0) -> None:
         """Read what is left and close every pipe and file (a pipe a process's own child
-        still holds open is closed on this side)."""
+        still holds open is closed on this side); give the console up to
+        ``console_timeout_s`` to take what waits for it."""
         self.drain()
         for pipe in list(self._pipes.values()):
             self._close(pipe)
+        for console in self._consoles.values():
+            console.close(console_timeout_s)
+        self._consoles.clear()
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -318,18 +419,21 @@ class Streams:
         folder.mkdir(parents=True, exist_ok=True)
         return open(folder / f"{STREAM_NAMES[stream]}.log", "ab")
 
+    def _console(self, stream: int) -> Console:
+        if stream not in self._consoles:
+            self._consoles[stream] = Console(self._console_fds[stream])
+        return self._consoles[stream]
+
     def _to_console(self, pipe: _Pipe, data: bytes) -> None:
         pipe.partial += data
         lines = list(_lines(pipe.partial))
         if lines:
             pipe.console.write(b"".join(pipe.prefix + line for line in lines))
-            pipe.console.flush()
 
     def _close(self, pipe: _Pipe) -> None:
         del self._pipes[pipe.fd]
         if pipe.partial and pipe.shown:
             pipe.console.write(pipe.prefix + bytes(pipe.partial) + b"\n")
-            pipe.console.flush()
         os.close(pipe.fd)
         if pipe.file is not None:
             pipe.file.close()

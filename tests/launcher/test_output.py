@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import io
 import os
 import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,51 +75,134 @@ def test_files_are_needed_only_when_a_stream_goes_to_one():
     assert OutputConfig(redirects="1").writes_files()
 
 
+class _Console:
+    """p2p-run's stdout and stderr for a test: regular files, which never hold a write up."""
+
+    def __init__(self, folder: Path) -> None:
+        self.paths = {OUT: folder / "console.out", ERR: folder / "console.err"}
+        self.fds = {k: os.open(p, os.O_WRONLY | os.O_CREAT, 0o600) for k, p in self.paths.items()}
+
+    def read(self, stream: int) -> bytes:
+        return self.paths[stream].read_bytes()
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _serve(streams: Streams, deadline_s: float = 60.0) -> None:
+    """The agent's part: read the pipes and write the consoles until every pipe has closed."""
+    deadline = time.monotonic() + deadline_s
+    while streams.fds():
+        consoles = streams.consoles_waiting()
+        left_s = deadline - time.monotonic()
+        assert left_s > 0, "the child's pipes went silent without closing"
+        readable, writable, _ = select.select(streams.fds(), consoles, [], left_s)
+        for fd in readable:
+            streams.read(fd)
+        for fd in writable:
+            streams.write_console(fd)
+
+
+def _start(streams: Streams, name: str, local_rank: int, code: str) -> subprocess.Popen[bytes]:
+    return streams.start(
+        name, local_rank, functools.partial(subprocess.Popen, [sys.executable, "-c", code])
+    )
+
+
 def test_tee_copies_every_byte_to_the_file_and_prefixed_lines_to_the_console(tmp_path):
     """A real child writing through real pipes: more than a pipe holds, a line longer than
     the console's line limit, and a last line with no newline."""
-    console = {OUT: io.BytesIO(), ERR: io.BytesIO()}
-    streams = Streams(OutputConfig(tee="3"), str(tmp_path), console)
+    console = _Console(tmp_path)
+    streams = Streams(OutputConfig(tee="3"), str(tmp_path), console.fds)
     code = (
         "import sys\n"
         "sys.stdout.write(''.join(f'{i:07d}\\n' for i in range(40000)))\n"
         "sys.stdout.write('y' * 100000 + '\\n')\n"
         "sys.stderr.write('a warning\\nno newline')\n"
     )
-    proc = streams.start(
-        "rank7", 0, functools.partial(subprocess.Popen, [sys.executable, "-c", code])
-    )
+    proc = _start(streams, "rank7", 0, code)
     assert len(streams.fds()) == 2
-    while streams.fds():
-        ready, _, _ = select.select(streams.fds(), [], [], 30)
-        assert ready, "the child's pipes went silent without closing"
-        for fd in ready:
-            streams.read(fd)
+    _serve(streams)
     assert proc.wait(timeout=30) == 0
+    streams.close()
+    console.close()
     expected_out = "".join(f"{i:07d}\n" for i in range(40000)) + "y" * 100000 + "\n"
     assert (tmp_path / "rank7" / "stdout.log").read_text() == expected_out
     assert (tmp_path / "rank7" / "stderr.log").read_text() == "a warning\nno newline"
-    out_lines = console[OUT].getvalue().split(b"\n")
+    out_lines = console.read(OUT).split(b"\n")
     assert out_lines[0] == b"[rank7]:0000000" and out_lines[39999] == b"[rank7]:0039999"
     # The long line reaches the console in bounded pieces, each prefixed.
     pieces = out_lines[40000:-1]
     assert len(pieces) == 2 and all(p.startswith(b"[rank7]:y") for p in pieces)
     assert sum(len(p) - len(b"[rank7]:") for p in pieces) == 100000
-    assert console[ERR].getvalue() == b"[rank7]:a warning\n[rank7]:no newline\n"
+    assert console.read(ERR) == b"[rank7]:a warning\n[rank7]:no newline\n"
 
 
 def test_a_stream_sent_to_a_file_reaches_only_the_file(tmp_path):
-    console = {OUT: io.BytesIO(), ERR: io.BytesIO()}
-    streams = Streams(OutputConfig(redirects="1", local_ranks_filter="0"), str(tmp_path), console)
-    code = "import sys; print('out'); print('err', file=sys.stderr)"
-    proc = streams.start(
-        "spare0-3", 2, functools.partial(subprocess.Popen, [sys.executable, "-c", code])
-    )
+    console = _Console(tmp_path)
+    config = OutputConfig(redirects="1", local_ranks_filter="0")
+    streams = Streams(config, str(tmp_path), console.fds)
+    proc = _start(streams, "spare0-3", 2, "import sys; print('out'); print('err', file=sys.stderr)")
     assert streams.fds() == [] and proc.wait(timeout=30) == 0
     assert (tmp_path / "spare0-3" / "stdout.log").read_text() == "out\n"
     assert not (tmp_path / "spare0-3" / "stderr.log").exists()  # filtered out: discarded
     streams.close()
-    assert console[OUT].getvalue() == console[ERR].getvalue() == b""
+    console.close()
+    assert console.read(OUT) == console.read(ERR) == b""
+
+
+LINES = 160000  # 8 MiB of 52-byte lines: twice the console's backlog
+
+
+def test_a_console_nobody_reads_never_holds_up_the_agent_or_the_ranks(tmp_path):
+    """A terminal paused with Ctrl-S or a pipe nobody reads: the agent, whose loop also sends
+    the heartbeats, must not block on it, and the ranks must not block on their pipes."""
+    read_end, write_end = os.pipe()
+    streams = Streams(OutputConfig(tee="1"), str(tmp_path), {OUT: write_end, ERR: write_end})
+    code = f"import sys\nfor i in range({LINES}): sys.stdout.write(f'{{i:051d}}\\n')"
+    proc = _start(streams, "rank0", 0, code)
+    _serve(streams)  # the child's 8 MiB all read, with the console taking none of it
+    assert proc.wait(timeout=30) == 0
+    # Every byte is in the file; the console keeps a bounded backlog of the latest lines.
+    log = (tmp_path / "rank0" / "stdout.log").read_bytes()
+    assert log == b"".join(b"%051d\n" % i for i in range(LINES))
+    (waiting,) = streams.consoles_waiting()
+    # Now the console reads again: it gets what the pipe held, a note, then the latest lines.
+    os.set_blocking(read_end, False)
+    shown = bytearray()
+    while streams.consoles_waiting():
+        select.select([], streams.consoles_waiting(), [], 10)
+        streams.write_console(waiting)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(read_end, 1 << 16):
+                shown += chunk
+    streams.close()
+    lines = bytes(shown).split(b"\n")
+    (note,) = [i for i, line in enumerate(lines) if line.startswith(b"p2p-run:")]
+    assert b"bytes of the processes' output were not shown" in lines[note]
+    prefix = b"[rank0]:"
+    assert lines[0] == prefix + b"%051d" % 0 and lines[-2] == prefix + b"%051d" % (LINES - 1)
+    before, after = lines[:note], lines[note + 1 : -1]
+    # Whole lines only, in order, with a gap where the dropped ones were.
+    numbers = [int(line.removeprefix(prefix)) for line in before + after]
+    assert numbers == sorted(numbers) and len(numbers) < LINES
+    assert numbers[len(before)] > numbers[len(before) - 1] + 1
+    os.close(read_end)
+    os.close(write_end)
+
+
+def test_a_console_that_is_gone_loses_nothing_from_the_files(tmp_path):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # p2p-run ... | head, after head has exited
+    streams = Streams(OutputConfig(tee="3"), str(tmp_path), {OUT: write_end, ERR: write_end})
+    proc = _start(streams, "rank0", 0, "for i in range(1000): print(i)")
+    _serve(streams)
+    assert proc.wait(timeout=30) == 0 and streams.consoles_waiting() == []
+    streams.close()
+    os.close(write_end)
+    expected = "".join(f"{i}\n" for i in range(1000))
+    assert (tmp_path / "rank0" / "stdout.log").read_text() == expected
 
 
 def _p2p_run(tmp_path, *args, timeout=120):
