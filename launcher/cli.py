@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> slurm.Resolved:
     """Fill the job's shape from the flags, then ``SLURM_*``, then the defaults."""
+    counted = None
+    if isinstance(args.nproc_per_node, str):
+        args.nproc_per_node, counted = _count_slots(args.nproc_per_node, args.spares or 0)
     flags = from_args(slurm.Flags, args, max_ranks=args.max_ranks, spares=args.spares or 0)
     lookup = slurm.node_address if slurm.SLURM_JOB_ID in environ else (lambda name: name)
     try:
@@ -227,8 +230,38 @@ def _resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> slurm.Reso
         resolved.max_ranks,
     )
     resolved.sources["spares"] = slurm.DEFAULT if args.spares is None else slurm.FLAG
+    if counted is not None:
+        resolved.sources["nproc_per_node"] = counted
     args.spares = args.spares or 0
     return resolved
+
+
+def _count_slots(word: str, spares: int) -> tuple[int, str]:
+    """torchrun's ``--nproc-per-node gpu|cpu|auto``, counted on this node: one rank per GPU
+    that no spare holds (a spare needs a device of its own), or one per CPU.
+
+    Returns:
+        The ranks per node, and where the number came from.
+    """
+    if word != "cpu":
+        import torch  # only here: p2p-run itself never needs it
+
+        if word == "gpu" or torch.accelerator.is_available():
+            kind = "CUDA device" if word == "gpu" else "accelerator"
+            count = torch.cuda.device_count() if word == "gpu" else torch.accelerator.device_count()
+            if count < 1:
+                raise UsageError(f"--nproc-per-node {word}: this node has no {kind}; give a number")
+            if count - spares < 1:
+                raise UsageError(
+                    f"--nproc-per-node {word}: {count} {kind}(s) leave none for a rank beside "
+                    f"--spares {spares} (a spare needs a device of its own); give fewer spares"
+                )
+            return (
+                count - spares,
+                f"--nproc-per-node {word}: {count} {kind}(s) less --spares {spares}",
+            )
+    cpus = len(os.sched_getaffinity(0))
+    return cpus, f"--nproc-per-node {word}: {cpus} CPUs"
 
 
 def _validate(args: argparse.Namespace, script: bool = True) -> None:

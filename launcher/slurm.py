@@ -18,6 +18,7 @@ job's size comes from ``SLURM_JOB_NUM_NODES`` and a node's rank from the place o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import socket
@@ -167,6 +168,26 @@ def compress_hostlist(hosts: Sequence[str]) -> str:
 # -- resolution ----------------------------------------------------------------------------------
 
 
+#: torchrun's words for ``--nproc-per-node`` (counted on the node: ``launcher.cli``).
+NPROC_WORDS = ("gpu", "cpu", "auto")
+
+
+def nproc_value(text: str) -> int | str:
+    """``--nproc-per-node``: a number, or one of :data:`NPROC_WORDS`.
+
+    Raises:
+        argparse.ArgumentTypeError: neither.
+    """
+    if text in NPROC_WORDS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of ranks, nor gpu, cpu or auto"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Flags:
     """The settings given on the command line (``None``: not given)."""
@@ -186,8 +207,11 @@ class Flags:
     nproc_per_node: int | None = setting(
         None,
         flag=("--nproc-per-node", "--nproc_per_node"),
-        help="rank processes per node (default: SLURM_GPUS_ON_NODE less --spares, else 1)",
+        help="rank processes per node, or torchrun's gpu (the node's GPUs less --spares), "
+        "cpu or auto (default: SLURM_GPUS_ON_NODE less --spares, else 1)",
+        type=nproc_value,
     )
+    """A number; p2p-run turns ``gpu``, ``cpu`` and ``auto`` into one before resolving."""
     coordinator: str | None = setting(
         None,
         flag="--coordinator",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -137,6 +138,46 @@ def test_gpus_on_node_give_the_ranks_less_the_spares():
     assert r.nproc_per_node == 7 and "SLURM_GPUS_ON_NODE=8" in r.sources["nproc_per_node"]
     with pytest.raises(ValueError, match="leaves no GPU for a rank"):
         resolve(Flags(spares=1), {**STEP, "SLURM_GPUS_ON_NODE": "1"})
+
+
+def _nproc(*flags: str) -> tuple[int, str]:
+    args = cli.build_parser().parse_args([*flags, "train.py"])
+    resolved = cli._resolve(args, {})
+    return args.nproc_per_node, resolved.sources["nproc_per_node"]
+
+
+def test_torchruns_gpu_cpu_and_auto_count_the_nodes_devices_less_the_spares(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    n, source = _nproc("--nproc_per_node=gpu", "--spares", "1")
+    assert n == 7 and source == "--nproc-per-node gpu: 8 CUDA device(s) less --spares 1"
+    with pytest.raises(cli.UsageError, match="leave none for a rank beside --spares 8"):
+        _nproc("--nproc-per-node", "gpu", "--spares", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(cli.UsageError, match="this node has no CUDA device; give a number"):
+        _nproc("--nproc-per-node", "gpu")
+    # A CPU node: one rank per CPU this process may run on, spares or not (they share them).
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert _nproc("--nproc-per-node", "auto", "--spares", "1") == (
+        cpus,
+        f"--nproc-per-node auto: {cpus} CPUs",
+    )
+    assert _nproc("--nproc-per-node", "cpu")[0] == cpus
+    assert _nproc("--nproc-per-node", "3") == (3, "flag")
+
+
+def test_a_word_nproc_per_node_does_not_know_is_one_clear_line(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "--nproc-per-node", "gpus", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "'gpus' is not a number of ranks, nor gpu, cpu or auto" in r.stderr
 
 
 def test_tasks_per_node_are_ranks_outside_a_step_and_refused_inside_one():
