@@ -165,6 +165,24 @@ class RunOptions:
         help="accepted as torchrun's and ignored, with a warning: the coordinator is the "
         "rendezvous",
     )
+    rdzv_conf: str | None = setting(
+        None,
+        flag=("--rdzv-conf", "--rdzv_conf"),
+        help="torchrun's key=value,...: join_timeout sets --join-timeout; other keys are "
+        "ignored with a warning",
+    )
+    monitor_interval: float | None = setting(
+        None,
+        flag=("--monitor-interval", "--monitor_interval"),
+        help="accepted as torchrun's and ignored, with a warning: an agent sees an exit at "
+        "once (a pidfd per process), not at an interval",
+    )
+    start_method: str | None = setting(
+        None,
+        flag=("--start-method", "--start_method"),
+        help="accepted as torchrun's and ignored, with a warning: every process is a program "
+        "of its own, as torchrun's spawn",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Flags that Slurm can also give default to None: "not given" must be told apart.
     add_flags(p, slurm.Flags, "nnodes", "nproc_per_node", "node_rank", "coordinator")
     add_flags(p, slurm.Flags, "rdzv_endpoint", "master_addr", "master_port", "standalone")
-    add_flags(p, RunOptions, "rdzv_backend")
+    add_flags(p, RunOptions, "rdzv_backend", "rdzv_conf", "monitor_interval", "start_method")
     add_flags(p, RunOptions, "join_timeout_s", "print_config")
     add_flags(p, slurm.Flags, "spares")
     add_flags(p, AgentConfig, "heartbeat_interval_s")
@@ -262,6 +280,40 @@ def _count_slots(word: str, spares: int) -> tuple[int, str]:
             )
     cpus = len(os.sched_getaffinity(0))
     return cpus, f"--nproc-per-node {word}: {cpus} CPUs"
+
+
+def _torchrun_leftovers(args: argparse.Namespace) -> list[str]:
+    """Apply what torchrun's own flags mean here; returns a warning for each ignored one."""
+    ignored = []
+    if args.rdzv_backend is not None:
+        ignored.append(
+            f"--rdzv-backend {args.rdzv_backend} is ignored: the coordinator at --coordinator "
+            "(--rdzv-endpoint) is the rendezvous"
+        )
+    for part in (args.rdzv_conf or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--rdzv-conf {args.rdzv_conf!r} is not key=value,key=value")
+        if key == "join_timeout":
+            try:
+                args.join_timeout_s = float(value)
+            except ValueError:
+                raise UsageError(f"--rdzv-conf join_timeout={value} is not seconds") from None
+        else:
+            ignored.append(f"--rdzv-conf {key}={value} is ignored: only join_timeout applies")
+    if args.monitor_interval is not None:
+        ignored.append(
+            f"--monitor-interval {args.monitor_interval:g} is ignored: an agent sees an exit at "
+            "once"
+        )
+    if args.start_method is not None:
+        ignored.append(
+            f"--start-method {args.start_method} is ignored: every process is a program of its own"
+        )
+    return ignored
 
 
 def _validate(args: argparse.Namespace, script: bool = True) -> None:
@@ -621,13 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         resolved = _resolve(args, os.environ)
+        for warning in _torchrun_leftovers(args):
+            print(f"p2p-run: warning: {warning}", file=sys.stderr)
         _validate(args)
-        if args.rdzv_backend is not None:
-            print(
-                f"p2p-run: warning: --rdzv-backend {args.rdzv_backend} is ignored: the "
-                "coordinator at --coordinator (--rdzv-endpoint) is the rendezvous",
-                file=sys.stderr,
-            )
         if args.print_config:
             print(
                 slurm.format_config(

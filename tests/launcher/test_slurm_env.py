@@ -296,6 +296,27 @@ def test_torchruns_flags_parse_and_an_ignored_rendezvous_backend_is_said_once(tm
     assert r.stderr.count("\n") == 1
 
 
+def test_torchruns_other_flags_are_honoured_or_said_to_be_ignored():
+    def leftovers(*flags: str):
+        args = cli.build_parser().parse_args([*flags, "train.py"])
+        return cli._torchrun_leftovers(args), args.join_timeout_s
+
+    assert leftovers() == ([], 300.0)
+    said, join_timeout_s = leftovers(
+        "--rdzv_conf", "join_timeout=900,read_timeout=60", "--monitor_interval", "0.1"
+    )
+    assert join_timeout_s == 900.0
+    assert said == [
+        "--rdzv-conf read_timeout=60 is ignored: only join_timeout applies",
+        "--monitor-interval 0.1 is ignored: an agent sees an exit at once",
+    ]
+    (said,), _ = leftovers("--start-method", "fork")
+    assert said.startswith("--start-method fork is ignored")
+    for bad, message in [("timeout", "is not key=value"), ("join_timeout=soon", "not seconds")]:
+        with pytest.raises(cli.UsageError, match=message):
+            leftovers("--rdzv-conf", bad)
+
+
 def test_exit_codes_say_how_the_job_ended():
     assert cli.Exit.FINISHED == 0 and cli.Exit.USAGE == 2
     assert cli.Exit.NOT_JOINED == JOIN_FAILED == 3
