@@ -296,7 +296,8 @@ class Agent:
                     self._assigned(child, msg.get("rank"))
 
     def _assigned(self, child: _Child, rank: object) -> None:
-        """A spare took ``rank``: its console output is named and shown as that rank's."""
+        """``child`` holds ``rank`` now (a spare assigned, ranks renumbered by a resize): its
+        console output is named and shown as that rank's."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             logger.warning("%s said it took rank %r, which is no rank", child.identity, rank)
             return

@@ -358,9 +358,15 @@ class ControlClient:
                 continue
             mine = [r for r, identity in ranks.items() if identity == self.config.identity]
             if mine:
-                self.rank = mine[0]
-                self.tell_agent(protocol.ASSIGNED, {"rank": self.rank})
+                self.took_rank(mine[0])
                 return body
+
+    def took_rank(self, rank: int) -> None:
+        """This process holds ``rank`` now (a spare assigned, or a resize renumbered the
+        ranks): its agent names and shows its output as that rank's from here on."""
+        if rank != self.rank:
+            self.rank = rank
+            self.tell_agent(protocol.ASSIGNED, {"rank": rank})
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the background thread and close the socket (bounded linger)."""

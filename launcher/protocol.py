@@ -147,8 +147,8 @@ COORDINATORS = "coordinators"  # agent -> child: {"addresses", "active", "term"}
 # process the old coordinator never welcomed learns there where to say hello
 COORDINATORS_LOST = "coordinators_lost"  # agent -> child: {"addresses", "silent_s"}: no
 # coordinator is left; the ranks stop at a step they agree on, with a checkpoint
-ASSIGNED = "assigned"  # child -> agent: {"rank"}: this spare took rank ``rank`` (its output is
-# shown as that rank's)
+ASSIGNED = "assigned"  # child -> agent: {"rank"}: this process holds rank ``rank`` now (a
+# spare assigned, ranks renumbered by a resize): its output is shown as that rank's
 STOPPED = "stopped"  # child -> agent: {"step", "root"}: it wrote its part of the checkpoint of
 # the step the job stopped at; or {"reason"}: it could not (the reason names the last checkpoint)
 

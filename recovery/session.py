@@ -301,6 +301,7 @@ class Session:
             self.comms.destroy()
             self.comms = None
         assert self.client is not None, "a standalone session has no generations to join"
+        self.client.took_rank(rank)
         if not info.graceful:
             # Should the generation not form in time, whoever has not arrived is replaced, not
             # every member (one survivor held up leaving must not take the others down). Said

@@ -8,6 +8,7 @@ import functools
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -297,3 +298,42 @@ def test_a_spare_that_takes_rank_0_is_shown_as_rank_0(start_job):
         f"{spare['identity']} waits\n{spare['identity']} is rank 0 in generation 2\n"
     )
     assert "rank/0/2 is rank 1 in generation 2" in (logs / "rank1" / "stdout.log").read_text()
+
+
+def test_a_process_tells_its_agent_each_rank_it_takes_once(tmp_path):
+    """What :meth:`Agent._assigned` hears: a spare assigned, then a resize that renumbers."""
+    from launcher import protocol
+    from launcher.client import ClientConfig, ControlClient
+    from launcher.secret import create_once
+
+    create_once(tmp_path / "secret")
+    with socket.socket() as s:  # no coordinator needed to tell the agent
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    agent_end, child_end = socket.socketpair()
+    config = ClientConfig(
+        coordinator=nobody,
+        job_id="j",
+        secret_file=str(tmp_path / "secret"),
+        identity="spare/0/3",
+        role="spare",
+        node=0,
+        agent_fd=child_end.fileno(),
+    )
+    client = ControlClient(config)
+    try:
+        for rank in (3, 3, 2):
+            client.took_rank(rank)
+        agent_end.settimeout(10)
+        lines = protocol.LocalLines()
+        said: list[dict] = []
+        while len(said) < 2:
+            said += lines.feed(agent_end.recv(4096))
+        assert said == [{"type": "assigned", "rank": 3}, {"type": "assigned", "rank": 2}]
+        agent_end.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            agent_end.recv(4096)  # the same rank again said nothing
+    finally:
+        client.close()
+        agent_end.close()
+        child_end.close()
