@@ -38,6 +38,8 @@ STREAM_NAMES = {OUT: "stdout", ERR: "stderr"}
 #: A tee'd line longer than this reaches the console in pieces (the read buffer stays bounded).
 _LINE_LIMIT_BYTES = 64 * 1024
 _READ_BYTES = 64 * 1024
+#: The most one pipe is read before the agent's loop goes on (1 MiB: a few milliseconds).
+_TURN_BYTES = 16 * _READ_BYTES
 #: Console output waiting for a console that does not keep up (a terminal paused with Ctrl-S, a
 #: pipe nobody reads) is kept up to this much per stream, the oldest lines dropped first: the
 #: agent never blocks on its console, since the same loop sends the node's heartbeats.
@@ -379,9 +381,11 @@ class Streams:
         return fd in self._pipes
 
     def read(self, fd: int) -> None:
-        """Copy what pipe ``fd`` holds to its file and its console; at its end, close it."""
+        """Copy what pipe ``fd`` holds, up to ``_TURN_BYTES``, to its file and its console; at
+        its end, close it. Bounded: a process that writes faster than this copies must not
+        keep the agent's loop (and its heartbeats) here; the loop comes back for the rest."""
         pipe = self._pipes[fd]
-        while True:
+        for _ in range(_TURN_BYTES // _READ_BYTES):
             try:
                 data = os.read(fd, _READ_BYTES)
             except (BlockingIOError, InterruptedError):
@@ -396,7 +400,7 @@ class Streams:
                 self._to_console(pipe, data)
 
     def drain(self) -> None:
-        """Read every pipe as far as it goes now."""
+        """Read every pipe once more (a turn's worth each)."""
         for fd in list(self._pipes):
             self.read(fd)
 

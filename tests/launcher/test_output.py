@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -337,3 +338,24 @@ def test_a_process_tells_its_agent_each_rank_it_takes_once(tmp_path):
         client.close()
         agent_end.close()
         child_end.close()
+
+
+def test_a_process_that_never_stops_writing_cannot_keep_the_agent_reading(tmp_path):
+    """One read() is bounded: the loop it runs in also sends the node's heartbeats. (Short
+    lines written 64 KiB at a time cost the writer one call, the reader a prefix per line.)"""
+    from launcher import output
+
+    streams = Streams(OutputConfig(redirects="0", tee="1"), str(tmp_path), _Console(tmp_path).fds)
+    proc = _start(streams, "rank0", 0, "import sys\nwhile True: sys.stdout.write('x\\n' * 32768)")
+    try:
+        (fd,) = streams.fds()
+        assert select.select([fd], [], [], 30)[0], "the writer never wrote"
+        reader = threading.Thread(target=streams.read, args=(fd,), daemon=True)
+        reader.start()
+        reader.join(timeout=30)
+        assert not reader.is_alive(), "read() kept reading a pipe that never empties"
+        assert 0 < (tmp_path / "rank0" / "stdout.log").stat().st_size <= output._TURN_BYTES
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        streams.close()
