@@ -275,14 +275,16 @@ class Agent:
         self._send(protocol.EXITED, body)
 
     def _hear(self, child: _Child) -> None:
-        """Read what ``child`` said on its channel."""
-        while True:
+        """Read what ``child`` said on its channel (at most 1 MiB a call: a child that never
+        stops talking must not keep the loop, and the node's heartbeats, here)."""
+        for _ in range(16):
             try:
                 data = child.channel.recv(65536)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
                 logger.warning("the channel to %s failed: %s", child.identity, e)
+                child.heard_all = True
                 return
             if not data:
                 child.heard_all = True

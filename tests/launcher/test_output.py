@@ -359,3 +359,48 @@ def test_a_process_that_never_stops_writing_cannot_keep_the_agent_reading(tmp_pa
         proc.kill()
         proc.wait(timeout=30)
         streams.close()
+
+
+def test_a_child_that_floods_its_channel_cannot_keep_the_agent_listening(tmp_path):
+    """What a child says on its channel is read in the agent's loop now, not only at its
+    exit: one read of it is bounded, and its garbage and bad ranks change nothing."""
+    from launcher.agent import Agent, AgentConfig, _Child
+    from launcher.secret import create_once
+
+    create_once(tmp_path / "secret")
+    config = AgentConfig(
+        node_rank=0,
+        nnodes=1,
+        nproc_per_node=1,
+        spares=0,
+        command=("true",),
+        coordinator="127.0.0.1:1",
+        job_id="j",
+        secret_file=str(tmp_path / "secret"),
+        run_dir=str(tmp_path),
+    )
+    agent = Agent(config)
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    flood = (
+        "import os, sys\n"
+        'junk = b\'{"type": "assigned", "rank": "three"}\\nnot json\\n\' * 1000\n'
+        "while True: os.write(int(sys.argv[1]), junk)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", flood, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+    )
+    theirs.close()
+    child = _Child("spare/0/1", "r", "spare", None, 1, proc, -1, mine, "spare0-1")
+    try:
+        assert select.select([mine], [], [], 30)[0], "the child never spoke"
+        hearing = threading.Thread(target=agent._hear, args=(child,), daemon=True)
+        hearing.start()
+        hearing.join(timeout=30)
+        assert not hearing.is_alive(), "_hear() kept reading a channel that never empties"
+        assert child.name == "spare0-1" and not child.heard_all
+    finally:
+        proc.kill()
+        proc.wait()
+        mine.close()
+        agent.events.close()
