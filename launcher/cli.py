@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, CoordinatorConfig, "env_store")
     add_flags(p, RunOptions, "module", "no_python")
     output = p.add_argument_group(
-        "the processes' output", "torchrun's flags, with torchrun's meanings (launcher/output.py)"
+        "the processes' output", "torchrun's flags, with torchrun's meanings (docs/launcher.md)"
     )
     add_flags(output, OutputConfig, "log_dir", "redirects", "tee", "local_ranks_filter", "role")
     p.add_argument("script", nargs="?", help="training script (or module with -m)")

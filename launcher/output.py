@@ -109,13 +109,13 @@ class OutputConfig:
     )
     redirects: str = setting(
         "0",
-        flag=("-r", "--redirects"),
+        flag=("--redirects", "-r"),
         help="send streams to log files instead of the console, as torchrun's: 3 both, "
         "1 stdout, 2 stderr, or per local rank 0:3,1:2 (default {default})",
     )
     tee: str = setting(
         "0",
-        flag=("-t", "--tee"),
+        flag=("--tee", "-t"),
         help="send streams to log files and to the console, each line prefixed with the "
         "process's name ([rank3]:); torchrun's form, as --redirects (default {default})",
     )
