@@ -28,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -36,7 +37,7 @@ from launcher import protocol
 from launcher.config import setting
 from launcher.events import EventLog
 from launcher.link import CoordinatorLinks
-from launcher.output import OutputConfig, Streams
+from launcher.output import OutputConfig, Streams, error_file, read_error_file
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class _Child:
     """The agent's end of the child's local channel (``P2P_AGENT_FD``)."""
     name: str
     """Its folder of log files and its console prefix (``rank3``, ``spare1-5``)."""
+    error_file: Path
+    """Where it records the exception that ends it (torchrun's ``TORCHELASTIC_ERROR_FILE``)."""
     heard_all: bool = False
     """Its channel has closed: nothing more will come on it."""
     lines: protocol.LocalLines = field(default_factory=protocol.LocalLines)
@@ -156,6 +159,7 @@ class Agent:
         rank: int | None,
         local_rank: int | None,
         channel: int,
+        error_file: Path,
     ) -> dict[str, str]:
         cfg = self.config
         env = dict(os.environ)
@@ -181,6 +185,7 @@ class Agent:
                 protocol.ENV_RUN_DIR: cfg.run_dir,
                 protocol.ENV_AGENT_PID: str(os.getpid()),
                 protocol.ENV_AGENT_FD: str(channel),
+                "TORCHELASTIC_ERROR_FILE": str(error_file),
             }
         )
         if self.env_store_port:
@@ -215,12 +220,13 @@ class Agent:
             else f"spare{self.config.node_rank}-{self._spawned}"
         )
         assert local_rank is not None
+        errors = error_file(self.config.log_dir, self.config.run_dir, name, identity)
         mine, theirs = socket.socketpair()
 
         def popen(**streams: Any) -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 list(self.config.command),
-                env=self._env(identity, routing, role, rank, local_rank, theirs.fileno()),
+                env=self._env(identity, routing, role, rank, local_rank, theirs.fileno(), errors),
                 preexec_fn=_die_with_parent,
                 pass_fds=(theirs.fileno(),),
                 **streams,
@@ -236,7 +242,7 @@ class Agent:
         mine.setblocking(False)
         pidfd = os.pidfd_open(proc.pid)
         self.children[pidfd] = _Child(
-            identity, routing, role, rank, local_rank, proc, pidfd, mine, name
+            identity, routing, role, rank, local_rank, proc, pidfd, mine, name, errors
         )
         self.events.write(
             "process_started", identity=identity, role=role, rank=rank, pid=proc.pid, name=name
@@ -255,12 +261,14 @@ class Agent:
         os.close(pidfd)
         self._hear(child)  # what it said last, before it exited
         child.channel.close()
+        error = read_error_file(child.error_file, protocol.MAX_ERROR_CHARS) if code else ""
         self.events.write(
             "process_exited",
             identity=child.identity,
             pid=child.proc.pid,
             code=code,
             rank=child.rank,
+            **({"error": error} if error else {}),
         )
         body = {
             "identity": child.identity,
@@ -269,6 +277,18 @@ class Agent:
             "rank": child.rank,
             "role": child.role,
         }
+        if error:
+            # torchrun's root cause: said where the node's output is read, and to the
+            # coordinator, whose reason for the fault (or the job's end) ends with it.
+            body["error"] = error
+            logger.warning(
+                "%s (%s) exited with code %d: %s (traceback: %s)",
+                child.name,
+                child.identity,
+                code,
+                error,
+                child.error_file,
+            )
         now = time.monotonic()
         self._exits = [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S][-1000:]
         self._exits.append((now, body))

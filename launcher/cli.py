@@ -30,6 +30,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -593,8 +594,14 @@ def _log_dir(args: argparse.Namespace, run_dir: Path) -> str | None:
 
 def _report_end(code: int, reason: str, env_store: bool = True) -> None:
     if code != 0 and reason:
-        if NOT_THE_ENGINE in reason and not env_store:
-            # A torchrun user's first run: init_process_group() found no MASTER_PORT.
+        recorded = re.search(rf"exited with code -?\d+ \((.*)\) and {NOT_THE_ENGINE}", reason)
+        if (
+            NOT_THE_ENGINE in reason
+            and not env_store
+            and (recorded is None or "MASTER_" in recorded.group(1))
+        ):
+            # A torchrun user's first run: init_process_group() found no MASTER_PORT (unless
+            # the rank recorded another error).
             reason += (
                 "; a script that calls init_process_group() itself needs --env-store "
                 "(torchrun's MASTER_ADDR:MASTER_PORT store)"

@@ -659,9 +659,10 @@ class Coordinator:
             self.codec.forget(identity)
             self.routes.pop(identity, None)
             rank = body.get("rank")
+            error = str(body.get("error", ""))[: protocol.MAX_ERROR_CHARS]
             self._apply(
                 self.membership.exited(
-                    identity, int(body["code"]), now, None if rank is None else int(rank)
+                    identity, int(body["code"]), now, None if rank is None else int(rank), error
                 )
             )
         else:

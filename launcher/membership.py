@@ -321,14 +321,16 @@ class Membership:
         return [Event("scale_requested", {"size": size}), *self._decide(now)]
 
     def exited(
-        self, identity: str, code: int, now: float, rank: int | None = None
+        self, identity: str, code: int, now: float, rank: int | None = None, error: str = ""
     ) -> list[Decision]:
         """A process ended (seen by its agent). Code 0 from a rank means it finished.
 
         ``rank`` is what its agent started it as: a script that does not use the engine never
         says hello, yet its end still counts (code 0: finished; otherwise the job fails, as
-        there is no state to recover it from).
+        there is no state to recover it from). ``error`` is the exception it recorded, if any
+        (torchrun's error file): it ends the reason given for its loss.
         """
+        exit_ = f"exited with code {code}" + (f" ({error})" if error else "")
         proc = self.procs.get(identity)
         if proc is None:
             if identity in self.gone or rank is None or self.ended:
@@ -337,7 +339,7 @@ class Membership:
             if code != 0:
                 return self._end(
                     1,
-                    f"rank {rank} ({identity}) exited with code {code} and {NOT_THE_ENGINE}, "
+                    f"rank {rank} ({identity}) {exit_} and {NOT_THE_ENGINE}, "
                     "so it cannot be recovered in process",
                 )
             return self._finish(rank, identity)
@@ -349,8 +351,8 @@ class Membership:
             return self._stopped_one(identity)
         if rank is not None and (code == 0 or identity in self.done):
             self._forget(identity)
-            return self._finish(rank, identity, None if code == 0 else f"exited with code {code}")
-        return self.fault(identity, f"exited with code {code}", now)
+            return self._finish(rank, identity, None if code == 0 else exit_)
+        return self.fault(identity, exit_, now)
 
     def fault(self, identity: str, reason: str, now: float) -> list[Decision]:
         """A process is lost (crashed, hung, reported a collective failure, straggled).

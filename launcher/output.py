@@ -19,6 +19,7 @@ Tee'd streams reach the agent through pipes that its event loop polls beside eve
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import stat
@@ -162,6 +163,46 @@ class OutputConfig:
         """Whether any process writes a log file."""
         specs = [parse_streams(self.redirects, "--redirects"), parse_streams(self.tee, "--tee")]
         return any(every or any(per_rank.values()) for every, per_rank in specs)
+
+
+#: The largest error file read (torchrun's ``@record`` writes the exception and its traceback).
+_ERROR_FILE_BYTES = 256 * 1024
+
+
+def error_file(log_dir: str | None, run_dir: str, name: str, identity: str) -> Path:
+    """Where process ``name`` (``identity``) records the exception that ends it
+    (``TORCHELASTIC_ERROR_FILE``, written by torch's ``@record``): beside its log files, as
+    torchrun puts it, else under ``<run-dir>/errors``. Any file left there by an earlier run
+    is removed, so that an exit is never blamed on an old error."""
+    if log_dir is not None:
+        path = Path(log_dir) / name / "error.json"
+    else:
+        path = Path(run_dir) / "errors" / (identity.replace("/", "-") + ".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return path
+
+
+def read_error_file(path: Path, limit_chars: int) -> str:
+    """The exception a process recorded at ``path`` (``"ValueError: bad lr"``), on one line
+    and at most ``limit_chars`` long; empty if it recorded none or the file is not torch's."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_ERROR_FILE_BYTES + 1)
+    except OSError:
+        return ""
+    if len(data) > _ERROR_FILE_BYTES:
+        return ""
+    try:
+        message = json.loads(data).get("message")
+    except (ValueError, AttributeError):
+        return ""
+    if isinstance(message, dict):  # {"message": "...", "extraInfo": {...}}
+        message = message.get("message")
+    if not isinstance(message, str):
+        return ""
+    line = " ".join(message.split())
+    return line if len(line) <= limit_chars else line[: limit_chars - 3] + "..."
 
 
 def node_log_dir(base: Path, job_id: str, node_rank: int) -> Path:

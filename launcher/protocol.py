@@ -117,7 +117,8 @@ ARRIVED = "arrived"  # rank/spare: {"generation"}: it left its old generation's 
 DONE = "done"  # rank: it completed its training and exits (no heartbeat deadline from now);
 # {"checkpoint_step"} when it leaves a stopping job after writing the stop checkpoint
 SCALE = "scale"  # operator (p2p-run scale): {"size"}: the world size the job should have
-EXITED = "exited"  # agent: {"identity", "pid", "code"}
+EXITED = "exited"  # agent: {"identity", "pid", "code", "rank", "error"}: "error" is the
+# exception the process recorded in torchrun's error file, if any
 GENERATION = "generation"  # coordinator -> ranks and assigned spares (see launcher.client)
 KILL = "kill"  # coordinator -> agent: {"identity", "pid", "reason"}
 SPAWN_SPARE = "spawn_spare"  # coordinator -> agent
@@ -210,6 +211,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "pid": (_INT, False),
         "code": (_INT, True),
         "rank": (_OPT_INT, False),
+        "error": (_STR, False),
     },
     GENERATION: {},
     KILL: {"identity": (_STR, True), "pid": (_INT, True), "reason": (_STR, False)},
@@ -667,6 +669,9 @@ class Codec:
             epoch, _ = self._last_seen[sender]
             self._last_seen[sender] = (epoch + 1, 0)
 
+
+#: The most of an exited process's recorded error an exit report carries (and a reason keeps).
+MAX_ERROR_CHARS = 500
 
 #: Longest line accepted on the local channel (a longer one is dropped).
 MAX_LOCAL_LINE_BYTES = 64 * 1024

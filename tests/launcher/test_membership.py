@@ -66,6 +66,18 @@ def test_a_generation_that_takes_a_quarter_of_the_ack_deadline_to_form_is_report
     ]
 
 
+def test_the_error_a_process_recorded_ends_the_reason_for_its_loss():
+    m, _ = job(spares=1)
+    ack_all(m)
+    out = m.exited("rank/1", 1, 1.0, error="ValueError: bad lr")
+    (fault,) = [a.fields for a in out if isinstance(a, Event) and a.name == "fault"]
+    assert fault["reason"] == "exited with code 1 (ValueError: bad lr)"
+    # A script without the engine cannot be recovered: the job ends, saying why it failed.
+    m = Membership(MembershipConfig(world_size=1, ranks_per_node=1))
+    (end,) = of(m.exited("rank/0/1", 1, 1.0, rank=0, error="KeyError: 'lr'"), End)
+    assert "exited with code 1 (KeyError: 'lr') and does not use the engine" in end.reason
+
+
 def test_a_crash_hands_the_rank_to_a_spare_in_one_message():
     m, _ = job(spares=1)
     ack_all(m)

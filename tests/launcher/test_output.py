@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import select
 import signal
@@ -391,7 +392,7 @@ def test_a_child_that_floods_its_channel_cannot_keep_the_agent_listening(tmp_pat
         [sys.executable, "-c", flood, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
     )
     theirs.close()
-    child = _Child("spare/0/1", "r", "spare", None, 1, proc, -1, mine, "spare0-1")
+    child = _Child("spare/0/1", "r", "spare", None, 1, proc, -1, mine, "spare0-1", tmp_path)
     try:
         assert select.select([mine], [], [], 30)[0], "the child never spoke"
         hearing = threading.Thread(target=agent._hear, args=(child,), daemon=True)
@@ -404,3 +405,43 @@ def test_a_child_that_floods_its_channel_cannot_keep_the_agent_listening(tmp_pat
         proc.wait()
         mine.close()
         agent.events.close()
+
+
+def test_the_error_torch_records_is_read_back_on_one_bounded_line(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from launcher.output import error_file, read_error_file
+
+    path = error_file(None, str(tmp_path), "rank3", "rank/1/4")
+    assert path == tmp_path / "errors" / "rank-1-4.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise ValueError("bad lr:\n  -1")
+    except ValueError as e:
+        ErrorHandler().record_exception(e)  # what @record writes
+    assert read_error_file(path, 500) == "ValueError: bad lr: -1"
+    assert read_error_file(path, 12) == "ValueError: bad lr: -1"[:9] + "..."
+    # Left by an earlier run: a new process's file starts out absent.
+    assert error_file(str(tmp_path / "logs"), str(tmp_path), "rank3", "rank/1/4").parent.is_dir()
+    assert not error_file(None, str(tmp_path), "rank3", "rank/1/4").exists()
+    for junk in (b"not json", b"[1, 2]", b'{"message": 7}', b"{" + b" " * 300_000 + b"}"):
+        path.write_bytes(junk)
+        assert read_error_file(path, 500) == ""
+    assert read_error_file(tmp_path / "missing.json", 500) == ""
+
+
+@pytest.mark.slow
+def test_a_rank_that_records_its_error_is_named_with_it_when_the_job_fails(tmp_path):
+    script = str(Path(__file__).parent / "scripts" / "recorded_failure.py")
+    r = _p2p_run(tmp_path, "--standalone", "--nproc-per-node", "1", "--redirects", "3", script)
+    assert r.returncode == 1
+    err = r.stderr.decode()
+    (node,) = (tmp_path / "run" / "logs" / "p2p-job").iterdir()
+    # The console shows nothing of the rank (redirected), but says why it failed.
+    cause = "ValueError: learning rate -1 is negative (rank 0)"
+    assert f"rank0 (rank/0/1) exited with code 1: {cause} (traceback: {node}" in err
+    (last,) = [line for line in err.splitlines() if line.startswith("p2p-run: the job failed")]
+    assert f"exited with code 1 ({cause}) and does not use the engine" in last
+    assert "--env-store" not in last  # the hint is for a missing MASTER_PORT, not this
+    recorded = json.loads((node / "rank0" / "error.json").read_text())
+    assert "Traceback" in recorded["message"]["extraInfo"]["py_callstack"]
