@@ -215,7 +215,7 @@ class Agent:
         identity = f"{role}/{self.config.node_rank}/{self._spawned}"
         routing = protocol.routing_id(identity)
         name = (
-            f"{self.config.output.role}{rank}"
+            self._rank_name(rank)
             if rank is not None
             else f"spare{self.config.node_rank}-{self._spawned}"
         )
@@ -323,9 +323,13 @@ class Agent:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             logger.warning("%s said it took rank %r, which is no rank", child.identity, rank)
             return
-        name = f"{self.config.output.role}{rank}"
+        name = self._rank_name(rank)
         self.streams.moved(child.name, name, rank % self.config.nproc_per_node)
         child.name = name
+
+    def _rank_name(self, rank: int) -> str:
+        """A rank's folder of log files and console prefix (``--role`` and the rank)."""
+        return f"{self.config.output.role}{rank}"
 
     def _tell(self, child: _Child, type_: str, body: dict[str, Any]) -> None:
         try:
