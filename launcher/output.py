@@ -226,7 +226,9 @@ class Console:
 
     A terminal or a pipe is written through a descriptor of its own opened non-blocking (the
     one p2p-run inherited is shared with the processes that print to the console directly,
-    whose writes must keep blocking); a regular file never holds a write up.
+    whose writes must keep blocking); a regular file never holds a write up. Writes are whole
+    lines of up to ``PIPE_BUF`` bytes, which a pipe takes whole or not at all, so lines dropped
+    for a console that does not keep up never leave half a line behind them.
 
     Args:
         fd: The console's descriptor (p2p-run's stdout or stderr).
@@ -240,15 +242,16 @@ class Console:
             try:
                 self.fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 self._own = True
-            except OSError:  # written when poll says it takes bytes, a little at a time
+            except OSError:  # written when poll says it takes bytes, PIPE_BUF at a time
                 pass
-        # What a blocking pipe or socket that poll calls writable takes without blocking.
-        self._chunk_bytes = _READ_BYTES if self._own or stat.S_ISREG(mode) else select.PIPE_BUF
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLOUT)
         self.backlog = bytearray()
         self.dropped_bytes = 0
         self.broken = False
+        self._at_line_start = True
+        """The console's last byte ended a line (only a line over ``PIPE_BUF`` leaves one
+        open)."""
 
     @property
     def waiting(self) -> bool:
@@ -272,19 +275,23 @@ class Console:
         """Write what the console takes now, without blocking."""
         while self.waiting and self._poll.poll(0):
             if self.dropped_bytes:
-                self.backlog[:0] = (
+                self.backlog[:0] = (b"" if self._at_line_start else b"\n") + (
                     f"p2p-run: {self.dropped_bytes} bytes of the processes' output were not "
                     "shown: the console did not keep up (log files keep everything)\n"
                 ).encode()
                 self.dropped_bytes = 0
+            chunk = self.backlog[: select.PIPE_BUF]
+            if (end := chunk.rfind(b"\n")) >= 0:
+                chunk = chunk[: end + 1]
             try:
-                written = os.write(self.fd, self.backlog[: self._chunk_bytes])
+                written = os.write(self.fd, chunk)
             except BlockingIOError:
                 return
             except OSError:  # the console is gone (p2p-run ... | head): nothing to show
                 self.broken = True
                 self.backlog.clear()
                 return
+            self._at_line_start = self.backlog[written - 1 : written] == b"\n"
             del self.backlog[:written]
 
     def close(self, timeout_s: float) -> None:
