@@ -237,6 +237,9 @@ class Coordinator:
         """Added to ``time.monotonic()``: a standby keeps the active coordinator's clock, so
         the deadlines in the state it mirrored go on where they were."""
         self._holding = False
+        self._heard: dict[str, float] = {}
+        """agent -> when its last message arrived: what the quorum counts. Unlike the
+        membership's signs of life, a stall of this coordinator never excuses it."""
         self._quorum_grace = 0.0
         """Until then the quorum is not checked (processes reconnecting after a takeover)."""
         self._last_loop: float | None = None
@@ -379,7 +382,12 @@ class Coordinator:
         """
         agents = [i for i, p in self.membership.procs.items() if p.role == "agent"]
         recent = self.config.membership.heartbeat_timeout_s / 2
-        heard = sum(1 for a in agents if now - self.membership.last_seen.get(a, now) <= recent)
+        # What each agent really sent: a stall of this coordinator excuses every member from
+        # being declared lost (_excuse_own_stall), and must not also make a coordinator cut
+        # off from most nodes believe it hears them. A node mirrored from the coordinator this
+        # one took over from counts by its membership record until it is heard here.
+        last = {a: self._heard.get(a, self.membership.last_seen.get(a, now)) for a in agents}
+        heard = sum(1 for a in agents if now - last[a] <= recent)
         holding = len(agents) >= 2 and 2 * heard < len(agents) and now >= self._quorum_grace
 
         if holding != self._holding:
@@ -577,6 +585,8 @@ class Coordinator:
         elif msg.type != protocol.HELLO:
             self._check_route(msg, routing)
         self.membership.heartbeat(msg.sender, now)
+        if msg.sender.startswith("agent/"):
+            self._heard[msg.sender] = now
         if msg.type == protocol.HELLO:
             proc = Process(msg.sender, str(body["role"]), int(body["node"]), int(body["pid"]))
             if proc.role not in ("rank", "spare", "agent"):

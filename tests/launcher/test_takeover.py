@@ -151,6 +151,28 @@ def test_a_coordinator_that_hears_under_half_the_nodes_holds_its_decisions(coord
     assert not coordinator._in_quorum(2.6), "1 of 3 (a partition?): a standby may take over"
 
 
+def test_a_stall_of_a_coordinator_cut_off_with_a_minority_does_not_give_it_a_quorum(coordinator):
+    """Cut off from nodes 1 and 2, it hears only node 0; then its host pauses it. The stall
+    excuses every node from being declared lost, but what it hears is still 1 node of 3: it
+    goes on holding its decisions (a standby on the other side may be taking over)."""
+    from launcher.decisions import Process
+
+    m = coordinator.membership
+    for node in range(3):
+        m.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, 0.0)
+        coordinator.routes[f"agent/{node}"] = f"agent/{node}".encode()
+        coordinator._dispatch(_message(0, sender=f"agent/{node}"), f"agent/{node}".encode(), 0.0)
+    assert coordinator._in_quorum(0.5)
+    coordinator._dispatch(_message(0, sender="agent/0"), b"agent/0", 2.5)  # node 0 only
+    assert not coordinator._in_quorum(2.6)
+    coordinator._last_loop = 2.6
+    coordinator._excuse_own_stall(5.0)  # 2.4 s without a turn of the loop
+    assert all(m.last_seen[f"agent/{node}"] == 5.0 for node in range(3)), "nobody is blamed"
+    assert not coordinator._in_quorum(5.0), "but nodes 1 and 2 were not heard: still holding"
+    events = [e["event"] for e in read_events(coordinator.config.run_dir)]
+    assert "stalled" in events and "quorum_regained" not in events
+
+
 def test_a_process_declared_lost_that_is_heard_again_is_told_the_job_went_on(coordinator):
     from launcher.decisions import Process
 
