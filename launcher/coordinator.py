@@ -25,6 +25,7 @@ sender's term; a coordinator that receives a newer term than its own was replace
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -75,6 +76,8 @@ COORDINATOR_IDENTITY = protocol.COORDINATOR
 #: How often a process declared lost that is heard again is told so, and how many are tracked.
 _TELL_LOST_EVERY_S = 1.0
 _MAX_TOLD_LOST = 4096
+#: The most messages kept while the quorum is lost (:meth:`Coordinator._hold`).
+_MAX_HELD = 65536
 #: How often the active coordinator mirrors a changed membership between generations.
 _MIRROR_EVERY_S = 0.5
 
@@ -237,6 +240,8 @@ class Coordinator:
         """Added to ``time.monotonic()``: a standby keeps the active coordinator's clock, so
         the deadlines in the state it mirrored go on where they were."""
         self._holding = False
+        self._held: collections.deque[tuple[protocol.Message, bytes]] = collections.deque()
+        """What came in while the quorum was lost, to act on in order once it is back."""
         self._heard: dict[str, float] = {}
         """agent -> when its last message arrived: what the quorum counts. Unlike the
         membership's signs of life, a stall of this coordinator never excuses it."""
@@ -338,6 +343,8 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self.handle_frames(frames)
+            if self.exit_code is not None:
+                break  # fenced, or the job ended: no deadline is checked, nothing more decided
             if self.link is not None:
                 self._standby_tick(self.link)
                 continue
@@ -350,6 +357,7 @@ class Coordinator:
                 next_agent_beat = now + AGENT_HEARTBEAT_S
             try:
                 if self._in_quorum(now):
+                    self._release_held(now)
                     self._apply(self.membership.tick(now))
                 self._mirror()
             except Exception as e:  # the coordinator must outlive its own bugs: log, go on
@@ -377,8 +385,10 @@ class Coordinator:
 
         A coordinator cut off from most nodes cannot tell a partition from their loss; a
         standby on the other side may take over with their votes (more than half), so this
-        side holds its decisions rather than shrink the job into a second one. Ranks and
-        exits reported by the nodes it hears are still handled.
+        side holds its decisions rather than shrink the job into a second one. What the
+        nodes it hears report meanwhile (an exit, an error, an acknowledgement) is kept and
+        acted on once the quorum is back (:meth:`_hold`); a coordinator fenced meanwhile by
+        the standby that took over never acts on it.
         """
         agents = [i for i, p in self.membership.procs.items() if p.role == "agent"]
         recent = self.config.membership.heartbeat_timeout_s / 2
@@ -400,6 +410,24 @@ class Coordinator:
                     "in contact with %d of %d nodes: holding every decision", heard, len(agents)
                 )
         return not holding
+
+    def _hold(self, msg: protocol.Message, routing: bytes) -> None:
+        """Keep a message that may lead to a decision (a rank's exit or error on this side of
+        a partition, an acknowledgement, a hello) until the quorum is back: acted on now, it
+        would start a generation beside the one the other side's coordinator starts."""
+        if len(self._held) >= _MAX_HELD:
+            self._drop(
+                f"{msg.type} from {msg.sender}: {_MAX_HELD} messages are already held "
+                "while this coordinator hears under half the nodes"
+            )
+            return
+        self._held.append((msg, routing))
+
+    def _release_held(self, now: float) -> None:
+        """Act, in their order, on the messages held while the quorum was lost."""
+        while self._held and self.exit_code is None and not self._holding:
+            msg, routing = self._held.popleft()
+            self._dispatch_guarded(msg, routing, now)
 
     # -- takeover ------------------------------------------------------------------------------
 
@@ -514,11 +542,14 @@ class Coordinator:
         except Exception as e:  # no frame of any shape may end the coordinator
             self._internal_error("decode", e)
             return
+        self._dispatch_guarded(msg, frames[0], now)
+
+    def _dispatch_guarded(self, msg: protocol.Message, routing: bytes, now: float) -> None:
         try:
-            self._dispatch(msg, frames[0], now)
+            self._dispatch(msg, routing, now)
         except Unbound as e:
             self._drop(str(e))
-            self._challenge(frames[0], False)
+            self._challenge(routing, False)
         except (KeyError, TypeError, ValueError) as e:
             self._drop(f"malformed {msg.type} from {msg.sender}: {e!r}")
         except Exception as e:
@@ -587,6 +618,9 @@ class Coordinator:
         self.membership.heartbeat(msg.sender, now)
         if msg.sender.startswith("agent/"):
             self._heard[msg.sender] = now
+        if self._holding and msg.type != protocol.HEARTBEAT:
+            self._hold(msg, routing)
+            return
         if msg.type == protocol.HELLO:
             proc = Process(msg.sender, str(body["role"]), int(body["node"]), int(body["pid"]))
             if proc.role not in ("rank", "spare", "agent"):

@@ -173,6 +173,67 @@ def test_a_stall_of_a_coordinator_cut_off_with_a_minority_does_not_give_it_a_quo
     assert "stalled" in events and "quorum_regained" not in events
 
 
+def test_what_the_cut_off_side_reports_while_holding_is_acted_on_only_with_the_quorum_back(
+    coordinator,
+):
+    """Cut off with node 0, the coordinator hears its rank fail (its collectives with the other
+    side time out). Acting on it would start a generation beside the one the standby across
+    the partition starts: the report is kept, and acted on once the quorum is back."""
+    from launcher.decisions import Process
+
+    m = coordinator.membership
+    for node in range(3):
+        for identity, role in ((f"agent/{node}", "agent"), (f"rank/{node}", "rank")):
+            m.hello(Process(identity, role, node, 10 + node), node if role == "rank" else None, 0)
+            coordinator.routes[identity] = identity.encode()
+    for node in range(3):
+        coordinator._dispatch(_message(0, sender=f"agent/{node}"), f"agent/{node}".encode(), 0.0)
+    assert coordinator._in_quorum(0.5)
+    coordinator._dispatch(_message(0, sender="agent/0"), b"agent/0", 2.5)
+    assert not coordinator._in_quorum(2.6)
+    error = protocol.Message(protocol.ERROR, "rank/0", 0, 1, {"reason": "gloo timed out"})
+    coordinator._dispatch(error, b"rank/0", 2.7)
+
+    def decisions() -> list[str]:
+        events = read_events(coordinator.config.run_dir)
+        return [e["event"] for e in events if e["event"] in ("kill_requested", "fault")]
+
+    assert decisions() == [], "no decision while holding"
+    assert "rank/0" in m.procs and [msg.type for msg, _ in coordinator._held] == [protocol.ERROR]
+    for node in (1, 2):  # the partition heals
+        coordinator._dispatch(_message(0, sender=f"agent/{node}"), f"agent/{node}".encode(), 3.0)
+    assert coordinator._in_quorum(3.1)
+    coordinator._release_held(3.1)
+    assert "kill_requested" in decisions() and not coordinator._held
+
+
+def test_a_fenced_coordinator_stops_before_it_checks_another_deadline(coordinator):
+    """The partition heals: the node's queued messages of the old term give back the quorum,
+    then one of the new term fences it. Its loop ends there; it must not first declare lost
+    a member it could not hear while cut off (the standby replaced that member long ago)."""
+    from launcher.decisions import Process
+
+    m, now = coordinator.membership, coordinator.now()
+    for node in range(3):
+        m.hello(Process(f"agent/{node}", "agent", node, 10 + node), None, now)
+        coordinator._heard[f"agent/{node}"] = now
+    m.hello(Process("rank/0", "rank", 0, 20), 0, now - 10.0)  # unheard for 5 timeouts
+    newer = protocol.Codec(coordinator._secret, "p2p-job", "agent/1")
+    newer.run, newer.term = coordinator.codec.run, 1
+    agent = zmq.Context.instance().socket(zmq.DEALER)
+    agent.setsockopt(zmq.IDENTITY, b"agent/1")
+    agent.setsockopt(zmq.LINGER, 0)
+    agent.connect(f"tcp://127.0.0.1:{coordinator.port}")
+    try:
+        agent.send_multipart(newer.encode(protocol.HEARTBEAT, {}))
+        assert coordinator.sock.poll(30_000), "the message never arrived"
+        assert coordinator.serve(stop_after_s=30) == 0
+    finally:
+        agent.close()
+    events = [e["event"] for e in read_events(coordinator.config.run_dir)]
+    assert "fenced" in events and "fault" not in events and "kill_requested" not in events
+
+
 def test_a_process_declared_lost_that_is_heard_again_is_told_the_job_went_on(coordinator):
     from launcher.decisions import Process
 
