@@ -143,6 +143,8 @@ class Agent:
         self._generation = 0
         """The newest generation a coordinator's message carried: a standby that mirrored an
         older one would take over a job that has moved on, and gets no vote."""
+        self._beat: int | None = None
+        """The ``beat`` of the active coordinator's last heartbeat, echoed in this node's."""
         self._exits: list[tuple[float, dict[str, Any]]] = []
         """Exits reported lately: sent again to a coordinator that takes over (the one they
         went to may have died before acting on them)."""
@@ -406,6 +408,11 @@ class Agent:
         assert self.links is not None
         self.links.send(type_, body)
 
+    def _heartbeat(self) -> None:
+        """A sign of life, echoing the active coordinator's last heartbeat: a coordinator that
+        lost its quorum counts this node again only on the answer to one it sent since."""
+        self._send(protocol.HEARTBEAT, {} if self._beat is None else {"beat": self._beat})
+
     def run(self) -> int:
         """Start the node's processes and serve until the job ends; returns the exit code."""
         cfg = self.config
@@ -550,7 +557,7 @@ class Agent:
             if silent > self.config.coordinator_timeout_s:
                 raise self._stop_without_coordinator(list(links.sockets), silent, wake_r)
             if time.monotonic() >= next_beat:
-                self._send(protocol.HEARTBEAT, {})
+                self._heartbeat()
                 next_beat = time.monotonic() + self.config.heartbeat_interval_s
 
     def _stop_without_coordinator(
@@ -598,7 +605,8 @@ class Agent:
         if received.takeover:
             self._heard = time.monotonic()
             self.events.write("coordinator_takeover", coordinator=links.active, term=links.term)
-            self._send(protocol.HEARTBEAT, {})
+            self._beat = None  # the last one was the replaced coordinator's
+            self._heartbeat()
             # Processes that said hello after the last mirror are unknown to the new one.
             self._send(
                 protocol.CHILDREN, {"identities": [c.routing for c in self.children.values()]}
@@ -613,7 +621,9 @@ class Agent:
                 continue
             self._heard = time.monotonic()
             self._generation = max(self._generation, msg.generation)
-            if msg.type == protocol.KILL:
+            if msg.type == protocol.HEARTBEAT and "beat" in msg.body:
+                self._beat = int(msg.body["beat"])
+            elif msg.type == protocol.KILL:
                 body = msg.body
                 self._kill(body["identity"], body["pid"], str(body.get("reason", "")))
             elif msg.type == protocol.SPAWN_SPARE:

@@ -245,6 +245,10 @@ class Coordinator:
         self._heard: dict[str, float] = {}
         """agent -> when its last message arrived: what the quorum counts. Unlike the
         membership's signs of life, a stall of this coordinator never excuses it."""
+        self._echoed: dict[str, int] = {}
+        """agent -> the newest of this coordinator's heartbeats it echoed (:func:`_beat`)."""
+        self._lost_at = 0
+        """When the quorum was last lost, as a heartbeat's ``beat``."""
         self._quorum_grace = 0.0
         """Until then the quorum is not checked (processes reconnecting after a takeover)."""
         self._last_loop: float | None = None
@@ -353,7 +357,8 @@ class Coordinator:
             if now >= next_agent_beat:
                 # Agents watch for this: a node whose coordinator is gone cleans up and exits.
                 agents = [i for i, p in self.membership.procs.items() if p.role == "agent"]
-                self._send_to_all([*agents, *self.standbys], protocol.HEARTBEAT, {})
+                beat = {"beat": _beat(now)}  # echoed back: proof of a round trip (_in_quorum)
+                self._send_to_all([*agents, *self.standbys], protocol.HEARTBEAT, beat)
                 next_agent_beat = now + AGENT_HEARTBEAT_S
             try:
                 if self._in_quorum(now):
@@ -397,11 +402,21 @@ class Coordinator:
         # off from most nodes believe it hears them. A node mirrored from the coordinator this
         # one took over from counts by its membership record until it is heard here.
         last = {a: self._heard.get(a, self.membership.last_seen.get(a, now)) for a in agents}
-        heard = sum(1 for a in agents if now - last[a] <= recent)
+        # Once the quorum is lost, a node counts again only when it answered a heartbeat sent
+        # since: what a healed link delivers first is what the node queued before, some of it
+        # sent before it voted for a standby; its answers come after, in the standby's term.
+        heard = sum(
+            1
+            for a in agents
+            if now - last[a] <= recent
+            and (not self._holding or self._echoed.get(a, -1) > self._lost_at)
+        )
         holding = len(agents) >= 2 and 2 * heard < len(agents) and now >= self._quorum_grace
 
         if holding != self._holding:
             self._holding = holding
+            if holding:
+                self._lost_at = _beat(now)
             self.events.write(
                 "quorum_lost" if holding else "quorum_regained", heard=heard, nodes=len(agents)
             )
@@ -618,6 +633,8 @@ class Coordinator:
         self.membership.heartbeat(msg.sender, now)
         if msg.sender.startswith("agent/"):
             self._heard[msg.sender] = now
+            if msg.type == protocol.HEARTBEAT and "beat" in body:
+                self._echoed[msg.sender] = int(body["beat"])
         if self._holding and msg.type != protocol.HEARTBEAT:
             self._hold(msg, routing)
             return
@@ -924,6 +941,12 @@ class Coordinator:
             self.store.close()
             self.store = None
         self.env_store = None
+
+
+def _beat(now: float) -> int:
+    """A heartbeat's ``beat``: the coordinator's clock in ms, which a standby that takes over
+    carries on (``clock_offset``), so a node's echo says when what it answered was sent."""
+    return int(now * 1000)
 
 
 class Unbound(ValueError):

@@ -105,7 +105,7 @@ ENV_TIMELINE = "P2P_TIMELINE"
 
 # Message types.
 HELLO = "hello"  # any process -> coordinator: identity, role, node, pid
-HEARTBEAT = "heartbeat"
+HEARTBEAT = "heartbeat"  # a coordinator's {"beat"}; an agent's echoes the last beat it heard
 REPLICATED = "replicated"  # rank: {"step", "generation"}
 MEMORY = "memory"  # rank: {"generation", "kind", "buffers"}: the sizes of the snapshot and
 # replica buffers it holds in this generation (memory kind "gpu", "pinned" or "host")
@@ -198,7 +198,7 @@ BODY_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "world_size": (_INT, False),
         "address": (_STR, False),
     },
-    HEARTBEAT: {},
+    HEARTBEAT: {"beat": (_INT, False)},
     REPLICATED: {"step": (_INT, True), "generation": (_OPT_INT, False)},
     MEMORY: {"generation": (_INT, True), "kind": (_STR, True), "buffers": (_LIST, True)},
     ERROR: {"reason": (_STR, False), "fatal": ((bool,), False)},

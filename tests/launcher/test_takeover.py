@@ -178,7 +178,8 @@ def test_what_the_cut_off_side_reports_while_holding_is_acted_on_only_with_the_q
 ):
     """Cut off with node 0, the coordinator hears its rank fail (its collectives with the other
     side time out). Acting on it would start a generation beside the one the standby across
-    the partition starts: the report is kept, and acted on once the quorum is back."""
+    the partition starts: the report is kept, and acted on once the quorum is back, which
+    only answers to heartbeats sent since it was lost can bring."""
     from launcher.decisions import Process
 
     m = coordinator.membership
@@ -200,10 +201,21 @@ def test_what_the_cut_off_side_reports_while_holding_is_acted_on_only_with_the_q
 
     assert decisions() == [], "no decision while holding"
     assert "rank/0" in m.procs and [msg.type for msg, _ in coordinator._held] == [protocol.ERROR]
-    for node in (1, 2):  # the partition heals
-        coordinator._dispatch(_message(0, sender=f"agent/{node}"), f"agent/{node}".encode(), 3.0)
-    assert coordinator._in_quorum(3.1)
-    coordinator._release_held(3.1)
+
+    def heartbeat(node: int, beat: int, at: float) -> None:
+        msg = protocol.Message(protocol.HEARTBEAT, f"agent/{node}", 0, 1, {"beat": beat})
+        coordinator._dispatch(msg, f"agent/{node}".encode(), at)
+
+    # The partition heals. What nodes 1 and 2 queued comes first: answers to heartbeats sent
+    # before the quorum was lost (they may have voted for a standby since) do not restore it.
+    for node in (1, 2):
+        heartbeat(node, 2000, 3.0)
+    assert not coordinator._in_quorum(3.1)
+    assert decisions() == [] and len(coordinator._held) == 1
+    for node in (1, 2):  # their answers to one sent since, in this coordinator's term
+        heartbeat(node, 2700, 3.2)
+    assert coordinator._in_quorum(3.3)
+    coordinator._release_held(3.3)
     assert "kill_requested" in decisions() and not coordinator._held
 
 
