@@ -87,6 +87,12 @@ class AgentConfig:
         help="once no coordinator is left, how long the ranks get to agree on a step and write "
         "its checkpoint before the node stops them, seconds (default {default})",
     )
+    virtual_local_rank: bool = setting(
+        False,
+        flag=("--virtual-local-rank", "--virtual_local_rank"),
+        help="each process sees only its own GPU, as device 0 (LOCAL_RANK=0, "
+        "CUDA_VISIBLE_DEVICES its slot's device), as torchrun's",
+    )
     extra_env: dict[str, str] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
     """Where the processes' stdout and stderr go (:mod:`launcher.output`)."""
@@ -118,6 +124,19 @@ class _Child:
 _HELLO_RETRY_S = 2.0
 #: How long an exit report is kept to be sent again to a coordinator that takes over.
 _EXITS_KEPT_S = 60.0
+
+
+def visible_devices() -> list[str] | None:
+    """The devices ``CUDA_VISIBLE_DEVICES`` lets this node's processes use (``None``: all)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [d.strip() for d in visible.split(",") if d.strip()]
+
+
+def slot_device(local_rank: int) -> str:
+    """The one device local slot ``local_rank`` sees under ``--virtual-local-rank``: the
+    slot's entry of ``CUDA_VISIBLE_DEVICES``, else the device of that index."""
+    visible = visible_devices()
+    return str(local_rank) if visible is None else visible[local_rank]
 
 
 class Agent:
@@ -203,6 +222,9 @@ class Agent:
                 env.pop(var, None)
             # A spare's device: the slots after the node's ranks (on a GPU node, one per spare).
             env["LOCAL_RANK"] = str(local_rank)
+        if cfg.virtual_local_rank:
+            assert local_rank is not None
+            env.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=slot_device(local_rank))
         return env
 
     def _coordinators(self) -> str:
@@ -235,7 +257,7 @@ class Agent:
             )
 
         try:
-            proc = self.streams.start(name, local_rank, popen, movable=rank is None)
+            proc = self.streams.start(name, local_rank, popen, rank=rank, movable=rank is None)
         except BaseException:
             mine.close()
             raise
@@ -326,7 +348,7 @@ class Agent:
             logger.warning("%s said it took rank %r, which is no rank", child.identity, rank)
             return
         name = self._rank_name(rank)
-        self.streams.moved(child.name, name, rank % self.config.nproc_per_node)
+        self.streams.moved(child.name, name, rank % self.config.nproc_per_node, rank)
         child.name = name
 
     def _rank_name(self, rank: int) -> str:

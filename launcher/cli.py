@@ -44,13 +44,19 @@ from typing import Any, NoReturn
 
 from launcher import protocol, slurm
 from launcher import secret as secret_file
-from launcher.agent import AgentConfig, AgentError, _die_with_parent, run_agent
+from launcher.agent import (
+    AgentConfig,
+    AgentError,
+    _die_with_parent,
+    run_agent,
+    visible_devices,
+)
 from launcher.config import add_flags, dump, from_args, setting, write_private
 from launcher.coordinator import COORDINATOR_FILE, CoordinatorConfig, config_file
 from launcher.coordinator import run as run_coordinator
 from launcher.events import read_events
 from launcher.membership import JOIN_FAILED, NOT_THE_ENGINE, MembershipConfig
-from launcher.output import OutputConfig, node_log_dir
+from launcher.output import LINE_PREFIX_ENV, OutputConfig, node_log_dir
 from launcher.policy import ElasticConfig
 from recovery.gloo_pairs import LAZY_FROM_RANKS
 
@@ -120,6 +126,12 @@ class RunOptions:
         flag="--standby-coordinators",
         help="node ranks that run a standby coordinator, which takes over when the active one "
         "falls silent, comma-separated, or 'none' (default: node 1 when there are 2+ nodes)",
+    )
+    local_addr: str | None = setting(
+        None,
+        flag=("--local-addr", "--local_addr"),
+        help="this node's address as the other nodes reach it, as torchrun's: a standby "
+        "coordinator started here is announced there (default: this host's name)",
     )
     checkpoint_dir: str | None = setting(
         None,
@@ -196,12 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, RunOptions, "rdzv_backend", "rdzv_conf", "monitor_interval", "start_method")
     add_flags(p, RunOptions, "join_timeout_s", "print_config")
     add_flags(p, slurm.Flags, "spares")
-    add_flags(p, AgentConfig, "heartbeat_interval_s")
+    add_flags(p, AgentConfig, "heartbeat_interval_s", "virtual_local_rank")
     add_flags(
         p, MembershipConfig, "heartbeat_timeout_s", "ack_timeout_s", "spare_wait_s", "max_restarts"
     )
     add_flags(p, AgentConfig, "coordinator_timeout_s", "stop_checkpoint_timeout_s")
-    add_flags(p, RunOptions, "external_coordinator", "standby_coordinators")
+    add_flags(p, RunOptions, "external_coordinator", "standby_coordinators", "local_addr")
     add_flags(p, CoordinatorConfig, "takeover_timeout_s")
     add_flags(p, slurm.Flags, "run_dir", "job_id")
     add_flags(p, MembershipConfig, "replicas")
@@ -224,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     output = p.add_argument_group(
         "the processes' output", "torchrun's flags, with torchrun's meanings (docs/launcher.md)"
     )
-    add_flags(output, OutputConfig, "log_dir", "redirects", "tee", "local_ranks_filter", "role")
+    add_flags(
+        output,
+        OutputConfig,
+        *("log_dir", "redirects", "tee", "local_ranks_filter", "role", "line_prefix"),
+    )
     p.add_argument("script", nargs="?", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
@@ -364,6 +380,21 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
     if args.checkpoint_every < 1:
         raise UsageError("--checkpoint-every must be >= 1")
     standby_nodes(args.standby_coordinators, args.nnodes)
+    visible = visible_devices()
+    slots = args.nproc_per_node + args.spares
+    if args.virtual_local_rank and visible is not None and len(visible) < slots:
+        raise UsageError(
+            f"--virtual-local-rank gives each of this node's {slots} processes (ranks and "
+            f"spares) a device of its own, and CUDA_VISIBLE_DEVICES lists {len(visible)}: list "
+            "more devices, or start fewer processes"
+        )
+    if args.local_addr is not None and (
+        not args.local_addr or any(c.isspace() or c in "/:[]" for c in args.local_addr)
+    ):
+        raise UsageError(
+            f"--local-addr {args.local_addr!r} must be a host name or an IPv4 address "
+            "the other nodes reach this one at (no port)"
+        )
     if not 0 < args.takeover_timeout_s < args.coordinator_timeout_s:
         raise UsageError(
             f"--takeover-timeout {args.takeover_timeout_s} must be > 0 and below "
@@ -382,6 +413,8 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
         raise UsageError(f"{args.script} is neither an executable file nor a program on PATH")
     if runs and not args.module and not args.no_python and not Path(args.script).is_file():
         raise UsageError(f"script {args.script} does not exist")
+    if args.line_prefix is None:  # torchrun takes it from its environment only
+        args.line_prefix = os.environ.get(LINE_PREFIX_ENV)
     try:
         args.output = from_args(OutputConfig, args)
     except ValueError as e:
@@ -504,7 +537,7 @@ def _start_coordinator(
         # announced under this host's name.
         port = 0
         if host not in ("127.0.0.1", "localhost", "::1"):
-            host, advertise = "0.0.0.0", socket.gethostname()
+            host, advertise = "0.0.0.0", args.local_addr or socket.gethostname()
     if port:
         with socket.socket() as s:  # a clear message beats a coordinator dying at bind()
             # As ZeroMQ binds: a previous run's connections in TIME_WAIT do not hold the port.

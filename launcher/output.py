@@ -23,6 +23,7 @@ import json
 import os
 import select
 import stat
+import string
 import subprocess
 import sys
 import time
@@ -33,6 +34,8 @@ from typing import Any, BinaryIO
 
 from launcher.config import setting
 
+#: Where torchrun reads its console prefix template from.
+LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 #: torchrun's stream bits.
 OUT, ERR = 1, 2
 STREAM_NAMES = {OUT: "stdout", ERR: "stderr"}
@@ -131,6 +134,12 @@ class OutputConfig:
         flag="--role",
         help="the name a rank's console prefix starts with ([rank3]:; default {default})",
     )
+    line_prefix: str | None = setting(
+        None,
+        flag="--log-line-prefix-template",
+        help="the console prefix of tee'd lines, with ${role_name}, ${rank} (global) and "
+        "${local_rank}, as torchrun's (default: $" + LINE_PREFIX_ENV + ", else [<role><rank>]:)",
+    )
 
     def __post_init__(self) -> None:
         parse_streams(self.redirects, "--redirects")
@@ -138,6 +147,21 @@ class OutputConfig:
         parse_local_ranks(self.local_ranks_filter)
         if not self.role or any(c in self.role for c in "/\n[]") or self.role.isspace():
             raise ValueError(f"--role {self.role!r} must be a plain name such as rank")
+        if self.line_prefix is not None and ("\n" in self.line_prefix or "\r" in self.line_prefix):
+            raise ValueError(
+                "--log-line-prefix-template (or $" + LINE_PREFIX_ENV + ") must be one line, "
+                "such as '[${role_name}${rank}]:'"
+            )
+
+    def header(self, name: str, local_rank: int, rank: int | None) -> bytes:
+        """What each tee'd console line of process ``name`` starts with: ``[name]:``, or
+        the template filled in as torchrun fills it (a spare's ``${rank}`` is its name until
+        it takes a rank)."""
+        if self.line_prefix is None:
+            return f"[{name}]:".encode()
+        fields = {"role_name": self.role, "rank": name if rank is None else rank}
+        template = string.Template(self.line_prefix)
+        return template.safe_substitute(fields, local_rank=local_rank).encode()
 
     def routes(self, local_rank: int) -> dict[int, Route]:
         """Where each stream of the process in local slot ``local_rank`` goes (torchrun's
@@ -314,11 +338,12 @@ class _Pipe:
     console: Console
     shown: bool
     tee: bool
+    header: bytes
     partial: bytearray = field(default_factory=bytearray)
 
     @property
     def prefix(self) -> bytes:
-        return f"[{self.name}]:".encode() if self.tee else b""
+        return self.header if self.tee else b""
 
 
 class Streams:
@@ -352,6 +377,7 @@ class Streams:
         local_rank: int,
         popen: Callable[..., subprocess.Popen[bytes]],
         *,
+        rank: int | None = None,
         movable: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start process ``name`` with ``popen(stdout=..., stderr=...)``, its streams routed.
@@ -359,6 +385,7 @@ class Streams:
         Args:
             name: The process's name: its folder of log files and its console prefix.
             local_rank: Its local slot (a spare's comes after the node's ranks).
+            rank: Its global rank (``None``: a spare).
             popen: Starts it, given ``subprocess.Popen``'s ``stdout`` and ``stderr``.
             movable: A spare, which may take a rank (:meth:`moved`). Under
                 ``--local-ranks-filter`` its console then follows that rank's, so its streams
@@ -397,17 +424,19 @@ class Streams:
             pipe.close()
             os.set_blocking(fd, False)
             route = routes[stream]
+            header = self.config.header(name, local_rank, rank)
             self._pipes[fd] = _Pipe(
-                fd, name, piped[stream], self._console(stream), route.console, route.tee
+                fd, name, piped[stream], self._console(stream), route.console, route.tee, header
             )
         return proc
 
-    def moved(self, name: str, new_name: str, local_rank: int) -> None:
-        """Process ``name`` (a spare) has taken the rank that is ``new_name``, in local slot
+    def moved(self, name: str, new_name: str, local_rank: int, rank: int) -> None:
+        """Process ``name`` (a spare) has taken ``rank``, named ``new_name``, in local slot
         ``local_rank``: its console lines are named so, and shown as that slot's are."""
         for pipe in self._pipes.values():
             if pipe.name == name:
                 pipe.name = new_name
+                pipe.header = self.config.header(new_name, local_rank, rank)
                 pipe.shown = self.config.shown(local_rank) and (pipe.tee or pipe.file is None)
 
     def fds(self) -> list[int]:

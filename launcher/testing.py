@@ -134,6 +134,8 @@ class LocalJob:
         log = open(self.run_dir / f"p2p-run-{len(self.nodes)}.log", "w")  # noqa: SIM115
         self._logs.append(log)
         cmd = [sys.executable, "-m", "launcher.cli", *args, "--spares", str(spares)]
+        if self.hosts is not None:  # announced by address, not by the name it resolves to
+            cmd = [*cmd, "--local-addr", self.hosts.address(len(self.nodes))]
         cmd = [*cmd, self.script, *self.script_args]
         if self.hosts is not None:
             cmd = self.hosts.command(len(self.nodes), cmd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,10 @@ def test_a_partition_of_the_coordinators_node_is_survived_and_its_side_decides_n
     assert fault["restored_from"] == "peers" and fault["downtime_s"] > 0
     by = {(e["source"], e["event"]) for e in events}
     assert ("coordinator", "quorum_lost") in by and ("coordinator/1", "takeover") in by
+    # The agents found node 1's standby at the address its p2p-run was given (--local-addr).
+    (standby,) = {e["coordinator"] for e in events if e["event"] == "coordinator_takeover"
+                  and e["source"].startswith("agent/")}  # fmt: skip
+    assert re.fullmatch(r"10\.\d+\.0\.2:\d+", standby), standby
     t_cut = next(e["t"] for e in events if e["event"] == "fault_injected")
     decisions = ("fault", "generation_started", "kill_requested", "spare_requested", "job_ended")
     cut_off = [e for e in events if e["source"] == "coordinator" and e["t"] > t_cut]

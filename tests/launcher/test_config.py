@@ -174,3 +174,26 @@ def test_a_gloo_pairs_setting_neither_1_nor_0_is_ignored_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="recovery.api"):
         assert _gloo_pairs_choice("yes") is None
     assert "P2P_LAZY_GLOO='yes' is neither 1" in caplog.text and "from 512 ranks" in caplog.text
+
+
+@pytest.mark.parametrize("address", ["10.0.0.7:29500", "", "node 7", "[::1]"])
+def test_a_local_address_with_a_port_or_spaces_is_refused_with_the_fix(address):
+    from launcher.cli import UsageError
+
+    args = build_parser().parse_args(["--nnodes", "2", "--local-addr", address])
+    _resolve(args, {})
+    with pytest.raises(UsageError, match="must be a host name or an IPv4 address"):
+        _validate(args, script=False)
+    ok = build_parser().parse_args(["--nnodes", "2", "--local_addr", "node-7.cluster"])
+    _resolve(ok, {})
+    _validate(ok, script=False)
+    assert ok.local_addr == "node-7.cluster"
+
+
+def test_a_virtual_local_rank_maps_each_slot_to_one_visible_device(monkeypatch):
+    from launcher.agent import slot_device
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [slot_device(slot) for slot in range(3)] == ["0", "1", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f1a, GPU-77c0")  # UUIDs, as Slurm may give
+    assert [slot_device(slot) for slot in range(2)] == ["GPU-5f1a", "GPU-77c0"]

@@ -155,6 +155,28 @@ def test_a_stream_sent_to_a_file_reaches_only_the_file(tmp_path):
     assert console.read(OUT) == console.read(ERR) == b""
 
 
+def test_a_prefix_template_is_filled_in_as_torchrun_fills_it():
+    config = OutputConfig(line_prefix="[${role_name}${rank}|${local_rank}|${host}] ", role="t")
+    assert config.header("t3", 1, 3) == b"[t3|1|${host}] ", "an unknown name is left as is"
+    assert config.header("spare0-5", 2, None) == b"[tspare0-5|2|${host}] "
+    assert OutputConfig().header("rank3", 1, 3) == b"[rank3]:"
+    with pytest.raises(ValueError, match="must be one line"):
+        OutputConfig(line_prefix="${rank}\n")
+
+
+def test_a_spare_that_takes_a_rank_gets_that_ranks_prefix(tmp_path):
+    console = _Console(tmp_path)
+    config = OutputConfig(tee="1", line_prefix="${rank}:${local_rank}> ")
+    streams = Streams(config, str(tmp_path), console.fds)
+    proc = _start(streams, "spare0-3", 2, "print('restored'); print('step 5')")
+    streams.moved("spare0-3", "rank1", 1, 5)  # before a line of it is read
+    _serve(streams)
+    assert proc.wait(timeout=30) == 0
+    streams.close()
+    console.close()
+    assert console.read(OUT) == b"5:1> restored\n5:1> step 5\n"
+
+
 LINES = 160000  # 8 MiB of 52-byte lines: twice the console's backlog
 
 
@@ -236,6 +258,19 @@ def test_torchtitans_launch_line_shows_rank_0_and_keeps_every_rank_in_files(tmp_
 
 
 @pytest.mark.slow
+def test_torchruns_prefix_template_comes_from_its_environment_or_the_flag(tmp_path, monkeypatch):
+    flags = ["--standalone", "--nproc-per-node", "2", "--tee", "1", "--local-ranks-filter", "1"]
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "${role_name}${local_rank}> ")
+    r = _p2p_run(tmp_path, *flags, "--role", "trainer", CHATTY)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b"trainer1> step 1 loss 2.5 on rank 1\ntrainer1> 0000")
+    assert r.stdout.endswith(b"\ntrainer1> done 1\n")
+    r = _p2p_run(tmp_path, *flags, "--log-line-prefix-template", "<${rank}> ", CHATTY)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b"<1> step 1 loss"), "the flag wins over the environment"
+
+
+@pytest.mark.slow
 def test_redirected_ranks_say_nothing_on_the_console_and_a_rerun_keeps_the_last_logs(tmp_path):
     for _ in range(2):
         r = _p2p_run(tmp_path, "--standalone", "--nproc-per-node", "2", "-r", "3", CHATTY)
@@ -276,6 +311,21 @@ def test_no_python_runs_a_program_of_its_own_with_torchruns_environment(tmp_path
     assert sorted(r.stdout.decode().splitlines()) == [
         f"[trainer{rank}]:{rank} of 2/2 trainer j7 0 2" for rank in (0, 1)
     ]
+
+
+@pytest.mark.slow
+def test_a_virtual_local_rank_sees_only_its_own_device_as_device_0(tmp_path, monkeypatch):
+    script = tmp_path / "train.sh"
+    script.write_text('#!/bin/sh\necho "$RANK: $LOCAL_RANK $CUDA_VISIBLE_DEVICES"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,7")
+    flags = ["--standalone", "--nproc-per-node", "2", "--virtual-local-rank", "--no-python"]
+    r = _p2p_run(tmp_path, *flags, str(script))
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.decode().splitlines()) == ["0: 0 3", "1: 0 7"]
+    # A spare needs a device of its own too: one more process than devices is refused.
+    r = _p2p_run(tmp_path, *flags, "--spares", "1", str(script))
+    assert r.returncode == 2 and b"CUDA_VISIBLE_DEVICES lists 2" in r.stderr, r.stderr
 
 
 @pytest.mark.slow
