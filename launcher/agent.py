@@ -93,6 +93,10 @@ class AgentConfig:
         help="each process sees only its own GPU, as device 0 (LOCAL_RANK=0, "
         "CUDA_VISIBLE_DEVICES its slot's device), as torchrun's",
     )
+    resizes: bool = False
+    """The job may change size (``--min-ranks`` below ``--max-ranks``), which renumbers its
+    ranks: under ``--local-ranks-filter`` every process's output then comes through the
+    agent, as a spare's does, so that the console follows the ranks (:meth:`Streams.moved`)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     output: OutputConfig = field(default_factory=OutputConfig)
     """Where the processes' stdout and stderr go (:mod:`launcher.output`)."""
@@ -257,7 +261,8 @@ class Agent:
             )
 
         try:
-            proc = self.streams.start(name, local_rank, popen, rank=rank, movable=rank is None)
+            movable = rank is None or self.config.resizes
+            proc = self.streams.start(name, local_rank, popen, rank=rank, movable=movable)
         except BaseException:
             mine.close()
             raise

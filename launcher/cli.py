@@ -752,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                 secret_file=secret,
                 run_dir=str(run_dir),
                 welcome_timeout_s=args.join_timeout_s,
+                resizes=args.min_ranks < args.max_ranks,
                 extra_env=_engine_env(args),
                 output=args.output,
                 log_dir=log_dir,

@@ -387,9 +387,9 @@ class Streams:
             local_rank: Its local slot (a spare's comes after the node's ranks).
             rank: Its global rank (``None``: a spare).
             popen: Starts it, given ``subprocess.Popen``'s ``stdout`` and ``stderr``.
-            movable: A spare, which may take a rank (:meth:`moved`). Under
-                ``--local-ranks-filter`` its console then follows that rank's, so its streams
-                come through the agent.
+            movable: A process that may take another rank (:meth:`moved`): a spare, or any
+                rank of a job that may resize. Under ``--local-ranks-filter`` its console
+                then follows that rank's, so its streams come through the agent.
         """
         movable = movable and bool(parse_local_ranks(self.config.local_ranks_filter))
         routes = self.config.routes(local_rank)

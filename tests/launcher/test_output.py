@@ -177,6 +177,52 @@ def test_a_spare_that_takes_a_rank_gets_that_ranks_prefix(tmp_path):
     assert console.read(OUT) == b"5:1> restored\n5:1> step 5\n"
 
 
+@pytest.mark.parametrize("resizes", [False, True])
+def test_a_rank_renumbered_into_the_filtered_slot_is_shown_when_the_job_can_resize(
+    tmp_path, resizes
+):
+    """--local-ranks-filter 0: rank 1 (slot 1) is hidden. A job that may shrink can renumber
+    it rank 0 (rank 0 lost, no spare); its lines must then reach the console as rank 0's,
+    so its streams come through the agent from the start. A fixed-size job never renumbers:
+    its hidden ranks write their files themselves."""
+    from launcher.agent import Agent, AgentConfig
+    from launcher.secret import create_once
+
+    create_once(tmp_path / "secret")
+    config = AgentConfig(
+        node_rank=0,
+        nnodes=1,
+        nproc_per_node=2,
+        spares=0,
+        command=(sys.executable, "-c", "print('restored step 5')"),
+        coordinator="127.0.0.1:1",
+        job_id="j",
+        secret_file=str(tmp_path / "secret"),
+        run_dir=str(tmp_path),
+        resizes=resizes,
+        output=OutputConfig(tee="3", local_ranks_filter="0"),
+        log_dir=str(tmp_path / "logs"),
+    )
+    console = _Console(tmp_path)
+    agent = Agent(config)
+    agent.streams = Streams(config.output, config.log_dir, console.fds)
+    try:
+        agent._spawn("rank", 1, 1)
+        (child,) = agent.children.values()
+        assert bool(agent.streams.fds()) == resizes
+        agent._assigned(child, 0)  # before a line of it is read
+        _serve(agent.streams)
+        assert child.proc.wait(timeout=30) == 0
+    finally:
+        for child in agent.children.values():
+            child.channel.close()
+            os.close(child.pidfd)
+        agent.streams.close()
+        console.close()
+    assert console.read(OUT) == (b"[rank0]:restored step 5\n" if resizes else b"")
+    assert (tmp_path / "logs" / "rank1" / "stdout.log").read_text() == "restored step 5\n"
+
+
 LINES = 160000  # 8 MiB of 52-byte lines: twice the console's backlog
 
 
