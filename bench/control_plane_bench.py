@@ -146,6 +146,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             "voted_for": None,
             "generation": 0,  # the newest generation the active coordinator sent
             "switched": None,  # when it heartbeat a coordinator that took over
+            "beat": {},  # an agent echoes the active coordinator's last heartbeat, as a real one
             "told": False,
             # As a real client: a hello goes again until a welcome answers it (a hello or its
             # challenge lost in a flood of thousands would otherwise keep it out for good).
@@ -251,6 +252,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
             links = m["links"]
             received = links.receive(item)
             if received.takeover and m["switched"] is None:
+                m["beat"] = {}  # the last one was the replaced coordinator's
                 links.send(protocol.HEARTBEAT)
                 beats += 1
                 m["switched"] = m["last"] = time.monotonic()
@@ -263,7 +265,9 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                     continue
                 m["heard"] = time.monotonic()
                 m["generation"] = max(m["generation"], msg.generation)
-                if msg.type == protocol.GENERATION:
+                if msg.type == protocol.HEARTBEAT and "beat" in msg.body:
+                    m["beat"] = {"beat": msg.body["beat"]}
+                elif msg.type == protocol.GENERATION:
                     # A rank that forms the generation at once acknowledges it and says nothing
                     # else (``arrived`` goes only where forming takes a while).
                     links.send(protocol.ACK, {"generation": msg.body["generation"]}, msg.generation)
@@ -281,7 +285,7 @@ def _emulate(conn: Any, spec: dict[str, Any]) -> None:
                 m["links"].send(protocol.HELLO, m["hello"])
                 m["next_hello"] = now + HELLO_RETRY_S
             if not m["silent"] and m["next"] <= now:
-                m["links"].send(protocol.HEARTBEAT)
+                m["links"].send(protocol.HEARTBEAT, m["beat"])
                 beats += 1
                 m["last"] = now
                 m["next"] = now + interval
