@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,6 +92,25 @@ class _Console:
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
+
+
+def _agent(tmp_path: Path, **config: Any):
+    """An agent of a 1-node job, in this process, whose coordinator is never there."""
+    from launcher.agent import Agent, AgentConfig
+    from launcher.secret import create_once
+
+    create_once(tmp_path / "secret")
+    defaults = dict(nproc_per_node=1, command=("true",), run_dir=str(tmp_path), spares=0)
+    return Agent(
+        AgentConfig(
+            node_rank=0,
+            nnodes=1,
+            coordinator="127.0.0.1:1",
+            job_id="j",
+            secret_file=str(tmp_path / "secret"),
+            **{**defaults, **config},
+        )
+    )
 
 
 def _serve(streams: Streams, deadline_s: float = 60.0) -> None:
@@ -185,27 +205,16 @@ def test_a_rank_renumbered_into_the_filtered_slot_is_shown_when_the_job_can_resi
     it rank 0 (rank 0 lost, no spare); its lines must then reach the console as rank 0's,
     so its streams come through the agent from the start. A fixed-size job never renumbers:
     its hidden ranks write their files themselves."""
-    from launcher.agent import Agent, AgentConfig
-    from launcher.secret import create_once
-
-    create_once(tmp_path / "secret")
-    config = AgentConfig(
-        node_rank=0,
-        nnodes=1,
+    agent = _agent(
+        tmp_path,
         nproc_per_node=2,
-        spares=0,
         command=(sys.executable, "-c", "print('restored step 5')"),
-        coordinator="127.0.0.1:1",
-        job_id="j",
-        secret_file=str(tmp_path / "secret"),
-        run_dir=str(tmp_path),
         resizes=resizes,
         output=OutputConfig(tee="3", local_ranks_filter="0"),
         log_dir=str(tmp_path / "logs"),
     )
     console = _Console(tmp_path)
-    agent = Agent(config)
-    agent.streams = Streams(config.output, config.log_dir, console.fds)
+    agent.streams = Streams(agent.config.output, agent.config.log_dir, console.fds)
     try:
         agent._spawn("rank", 1, 1)
         (child,) = agent.children.values()
@@ -461,22 +470,9 @@ def test_a_process_that_never_stops_writing_cannot_keep_the_agent_reading(tmp_pa
 def test_a_child_that_floods_its_channel_cannot_keep_the_agent_listening(tmp_path):
     """What a child says on its channel is read in the agent's loop now, not only at its
     exit: one read of it is bounded, and its garbage and bad ranks change nothing."""
-    from launcher.agent import Agent, AgentConfig, _Child
-    from launcher.secret import create_once
+    from launcher.agent import _Child
 
-    create_once(tmp_path / "secret")
-    config = AgentConfig(
-        node_rank=0,
-        nnodes=1,
-        nproc_per_node=1,
-        spares=0,
-        command=("true",),
-        coordinator="127.0.0.1:1",
-        job_id="j",
-        secret_file=str(tmp_path / "secret"),
-        run_dir=str(tmp_path),
-    )
-    agent = Agent(config)
+    agent = _agent(tmp_path)
     mine, theirs = socket.socketpair()
     mine.setblocking(False)
     flood = (
