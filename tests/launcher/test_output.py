@@ -251,12 +251,18 @@ def test_a_console_nobody_reads_never_holds_up_the_agent_or_the_ranks(tmp_path):
     # Now the console reads again: it gets what the pipe held, a note, then the latest lines.
     os.set_blocking(read_end, False)
     shown = bytearray()
-    while streams.consoles_waiting():
-        select.select([], streams.consoles_waiting(), [], 10)
-        streams.write_console(waiting)
+
+    def drain() -> None:
         with contextlib.suppress(BlockingIOError):
             while chunk := os.read(read_end, 1 << 16):
-                shown += chunk
+                shown.extend(chunk)
+
+    while streams.consoles_waiting():
+        drain()  # the console reads what the pipe holds, and so makes room
+        _, writable, _ = select.select([], streams.consoles_waiting(), [], 10)
+        assert writable == [waiting], "the console never took more"
+        streams.write_console(waiting)
+    drain()
     streams.close()
     lines = bytes(shown).split(b"\n")
     (note,) = [i for i, line in enumerate(lines) if line.startswith(b"p2p-run:")]
