@@ -138,6 +138,14 @@ def _worker_entry(
             dist.destroy_process_group()
 
 
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """The multiprocessing context :func:`run_local` starts its ranks in, for tests that start
+    processes of their own: forks of the server that imported torch and FSDP once."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # effective when the server starts: on first use
+    return ctx
+
+
 def run_local(
     fn: Callable[..., Any],
     cfg: WorkerGroupConfig,
@@ -164,8 +172,7 @@ def run_local(
     """
     import torch.distributed as dist
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # effective when the server starts: the first group
+    ctx = rank_context()
     store = None
     if cfg.backend != "none":
         # The parent owns the store, so its port is bound before any rank starts.

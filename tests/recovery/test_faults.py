@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from launcher.local import rank_context
 from p2p_state.replicator import ReplicationError
 from recovery.comms import Interrupted
 from recovery.errors import (
@@ -134,7 +135,7 @@ def test_the_error_gloo_raises_when_a_peer_dies_is_a_fault():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_peer_dies, args=(r, port, out)) for r in range(2)]
     for p in procs:

@@ -10,7 +10,6 @@ that waits has none, and is released by a connection presenting the peer's rank.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import socket
 import struct
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from launcher.local import rank_context
 from launcher.store import StoreServer
 from recovery.comms import CommsSpec, create_comms
 from recovery.gloo_pairs import lazy_pairs_work, listener_of, waits_for
@@ -175,7 +175,7 @@ def _wait_then_abort(comms, peer: int, peer_listener, ring: int) -> tuple[int, s
 @pytest.mark.slow
 def test_an_abort_releases_a_wait_on_a_lazy_pair_on_either_side_of_it():
     server = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     barrier, out = ctx.Barrier(WORLD_SIZE), ctx.Queue()
     ports = ctx.Array("i", WORLD_SIZE)
     procs = [
@@ -257,7 +257,7 @@ def _new_pair_after(share: bool, between) -> dict[int, tuple[int, list[float]]]:
     """Run :func:`_member_on_a_new_pair` on every rank, with ``between(port)`` done once the
     groups are formed (``port``: the store's, a shared value); each member's result."""
     server = StoreServer(SECRET, JOB_ID, "127.0.0.1").start()
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     barrier, out = ctx.Barrier(WORLD_SIZE + 1), ctx.Queue()
     port = ctx.Value("i", server.port)
     procs = [

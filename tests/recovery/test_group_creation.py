@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from launcher.local import rank_context
 from recovery.comms import GROUP_ENVIRONMENT, CommsSpec, create_comms
 
 JOIN_TIMEOUT_S = 4.0
@@ -83,7 +84,7 @@ def _member(port: int, out: mp.Queue) -> None:
 @pytest.mark.slow
 def test_a_member_waiting_for_a_peer_that_left_is_out_within_the_join_deadline():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_peer, args=(master.port,))]
     procs.append(ctx.Process(target=_member, args=(master.port, out)))
