@@ -2,8 +2,9 @@
 
 This is the small, in-process way to start ranks (tests, benchmarks, the demo) without the full
 control plane: the parent hosts the rendezvous ``TCPStore`` on a port the OS picks (no port races),
-starts ``world_size`` ranks, gives each the parent's environment with torchrun's variables, and an
-initialised default process group, and collects each rank's return value.
+starts ``world_size`` ranks, gives each the parent's environment (with torchrun's variables) and
+its stdout and stderr as they are at that moment, and an initialised default process group, and
+collects each rank's return value.
 
 The ranks are forked by multiprocessing's fork server, which imports torch and FSDP once for the
 whole life of the parent: importing them is most of a fresh interpreter's start (about 4 s of CPU
@@ -23,11 +24,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, cast
 
@@ -79,6 +82,34 @@ class WorkerGroupConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
+class _ParentStdio:
+    """The parent's stdout and stderr as they are when a rank starts, for the rank to write to.
+
+    The fork server's own are those it had when it started: under pytest, the captured output
+    of a test long over, where a rank's traceback or stack dump would be lost.
+    """
+
+    def __init__(self, fds: tuple[int, int] | None = None) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled while the rank is being started: the descriptors travel with the request.
+        return (_ParentStdio._received, (reduction.DupFd(1), reduction.DupFd(2)))
+
+    @staticmethod
+    def _received(out: Any, err: Any) -> _ParentStdio:
+        return _ParentStdio((out.detach(), err.detach()))
+
+    def install(self) -> None:
+        """Make them this process's stdout and stderr."""
+        assert self.fds is not None, "only a rank's unpickled copy holds descriptors"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, target in zip(self.fds, (1, 2), strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _worker_entry(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -87,7 +118,9 @@ def _worker_entry(
     store_port: int,
     result_path: str,
     environ: Mapping[str, str],
+    stdio: _ParentStdio,
 ) -> None:
+    stdio.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The fork server's environment is the parent's when the server started: the parent's of now.
     os.environ.clear()
@@ -139,11 +172,25 @@ def _worker_entry(
 
 
 def rank_context() -> multiprocessing.context.ForkServerContext:
-    """The multiprocessing context :func:`run_local` starts its ranks in, for tests that start
-    processes of their own: forks of the server that imported torch and FSDP once."""
+    """The multiprocessing context :func:`run_local` starts its ranks in (its queues, barriers
+    and shared values are the ones to give :func:`rank_process`)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # effective when the server starts: on first use
     return ctx
+
+
+def rank_process(target: Callable[..., Any], args: Sequence[Any]) -> multiprocessing.Process:
+    """A process (not started) that runs ``target(*args)`` as :func:`run_local` runs a rank:
+    forked from the server that imported torch, writing to the parent's stdout and stderr of
+    the moment it starts. For tests that drive processes of their own."""
+    process = rank_context().Process(target=_run_with, args=(_ParentStdio(), target, args))
+    return cast(multiprocessing.Process, process)
+
+
+def _run_with(stdio: _ParentStdio, target: Callable[..., Any], args: Sequence[Any]) -> None:
+    stdio.install()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    target(*args)
 
 
 def run_local(
@@ -193,7 +240,16 @@ def run_local(
             for rank in range(cfg.world_size):
                 p = ctx.Process(
                     target=_worker_entry,
-                    args=(fn, args, rank, cfg, store_port, result_paths[rank], dict(os.environ)),
+                    args=(
+                        fn,
+                        args,
+                        rank,
+                        cfg,
+                        store_port,
+                        result_paths[rank],
+                        dict(os.environ),
+                        _ParentStdio(),
+                    ),
                     name=f"rank{rank}",
                     daemon=True,
                 )

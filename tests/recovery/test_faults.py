@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher.local import rank_context
+from launcher.local import rank_context, rank_process
 from p2p_state.replicator import ReplicationError
 from recovery.comms import Interrupted
 from recovery.errors import (
@@ -137,7 +137,7 @@ def test_the_error_gloo_raises_when_a_peer_dies_is_a_fault():
         port = s.getsockname()[1]
     ctx = rank_context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_peer_dies, args=(r, port, out)) for r in range(2)]
+    procs = [rank_process(_peer_dies, (r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from launcher.local import rank_context
+from launcher.local import rank_context, rank_process
 from launcher.store import StoreServer
 from recovery.comms import CommsSpec, create_comms
 from recovery.gloo_pairs import lazy_pairs_work, listener_of, waits_for
@@ -179,8 +179,7 @@ def test_an_abort_releases_a_wait_on_a_lazy_pair_on_either_side_of_it():
     barrier, out = ctx.Barrier(WORLD_SIZE), ctx.Queue()
     ports = ctx.Array("i", WORLD_SIZE)
     procs = [
-        ctx.Process(target=_member, args=(r, server.port, barrier, ports, out))
-        for r in range(WORLD_SIZE)
+        rank_process(_member, (r, server.port, barrier, ports, out)) for r in range(WORLD_SIZE)
     ]
     for p in procs:
         p.start()
@@ -261,7 +260,7 @@ def _new_pair_after(share: bool, between) -> dict[int, tuple[int, list[float]]]:
     barrier, out = ctx.Barrier(WORLD_SIZE + 1), ctx.Queue()
     port = ctx.Value("i", server.port)
     procs = [
-        ctx.Process(target=_member_on_a_new_pair, args=(r, port, barrier, out, share))
+        rank_process(_member_on_a_new_pair, (r, port, barrier, out, share))
         for r in range(WORLD_SIZE)
     ]
     for p in procs:

@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from launcher.local import rank_context
+from launcher.local import rank_context, rank_process
 from recovery.comms import GROUP_ENVIRONMENT, CommsSpec, create_comms
 
 JOIN_TIMEOUT_S = 4.0
@@ -86,8 +86,8 @@ def test_a_member_waiting_for_a_peer_that_left_is_out_within_the_join_deadline()
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = rank_context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_peer, args=(master.port,))]
-    procs.append(ctx.Process(target=_member, args=(master.port, out)))
+    procs = [rank_process(_peer, (master.port,))]
+    procs.append(rank_process(_member, (master.port, out)))
     for p in procs:
         p.start()
     try:
