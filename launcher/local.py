@@ -117,14 +117,7 @@ def _worker_entry(
     cfg: WorkerGroupConfig,
     store_port: int,
     result_path: str,
-    environ: Mapping[str, str],
-    stdio: _ParentStdio,
 ) -> None:
-    stdio.install()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # The fork server's environment is the parent's when the server started: the parent's of now.
-    os.environ.clear()
-    os.environ.update(environ)
     rpn = cfg.ranks_per_node or cfg.world_size
     # As torchrun does: one intra-op thread per rank unless told otherwise, so ranks sharing a
     # machine do not oversubscribe its cores.
@@ -179,17 +172,33 @@ def rank_context() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
-def rank_process(target: Callable[..., Any], args: Sequence[Any]) -> multiprocessing.Process:
-    """A process (not started) that runs ``target(*args)`` as :func:`run_local` runs a rank:
-    forked from the server that imported torch, writing to the parent's stdout and stderr of
-    the moment it starts. For tests that drive processes of their own."""
-    process = rank_context().Process(target=_run_with, args=(_ParentStdio(), target, args))
+def rank_process(
+    target: Callable[..., Any], args: Sequence[Any], *, name: str | None = None
+) -> multiprocessing.Process:
+    """A process (not started) that runs ``target(*args)`` the way :func:`run_local` runs its
+    ranks: forked from the server that imported torch, with the parent's environment, stdout
+    and stderr of the moment it starts, its stacks dumped on SIGUSR1, and killed if the parent
+    exits first (daemonic)."""
+    process = rank_context().Process(
+        target=_run_as_rank,
+        args=(_ParentStdio(), dict(os.environ), target, args),
+        name=name,
+        daemon=True,
+    )
     return cast(multiprocessing.Process, process)
 
 
-def _run_with(stdio: _ParentStdio, target: Callable[..., Any], args: Sequence[Any]) -> None:
+def _run_as_rank(
+    stdio: _ParentStdio,
+    environ: Mapping[str, str],
+    target: Callable[..., Any],
+    args: Sequence[Any],
+) -> None:
     stdio.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # The fork server's environment is the parent's when the server started: the parent's of now.
+    os.environ.clear()
+    os.environ.update(environ)
     target(*args)
 
 
@@ -219,7 +228,6 @@ def run_local(
     """
     import torch.distributed as dist
 
-    ctx = rank_context()
     store = None
     if cfg.backend != "none":
         # The parent owns the store, so its port is bound before any rank starts.
@@ -238,20 +246,10 @@ def run_local(
         result_paths = [str(Path(tmp) / f"rank{r}.msgpack") for r in range(cfg.world_size)]
         try:
             for rank in range(cfg.world_size):
-                p = ctx.Process(
-                    target=_worker_entry,
-                    args=(
-                        fn,
-                        args,
-                        rank,
-                        cfg,
-                        store_port,
-                        result_paths[rank],
-                        dict(os.environ),
-                        _ParentStdio(),
-                    ),
+                p = rank_process(
+                    _worker_entry,
+                    (fn, args, rank, cfg, store_port, result_paths[rank]),
                     name=f"rank{rank}",
-                    daemon=True,
                 )
                 p.start()
                 procs.append(p)

@@ -18,3 +18,7 @@ def stuck_in_a_wait() -> None:
 
 def say_alone(word: str) -> None:
     print(f"{word} from a process of its own", file=sys.stderr, flush=True)
+
+
+def env_value(name: str) -> str | None:
+    return os.environ.get(name)

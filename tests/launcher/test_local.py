@@ -23,6 +23,13 @@ def test_a_rank_writes_to_the_parents_stderr_of_the_moment_it_starts(capfd):
     assert "hello from rank 0" in err and "hello from rank 1" in err, err
 
 
+def test_a_rank_sees_the_parents_environment_of_the_moment_it_starts(monkeypatch):
+    run_local(_local_workers.env_value, ALONE, ("P2P_LOCAL_PROBE",))  # the server is up now
+    monkeypatch.setenv("P2P_LOCAL_PROBE", "set after the server started")
+    got = run_local(_local_workers.env_value, ALONE, ("P2P_LOCAL_PROBE",))
+    assert got == ["set after the server started"] * 2
+
+
 def test_a_process_a_test_starts_itself_writes_there_too(capfd):
     process = rank_process(_local_workers.say_alone, ("hello",))
     process.start()
