@@ -453,7 +453,7 @@ class Agent:
         }
         try:
             self.events.write("agent_hello", node=cfg.node_rank, coordinator=cfg.coordinator)
-            first = self._await_welcome(
+            first, early = self._await_welcome(
                 links,
                 wake_r,
                 {
@@ -485,7 +485,7 @@ class Agent:
                 # the coordinator grows into.
                 for _ in range(cfg.nproc_per_node + cfg.spares):
                     self._spawn_spare()
-            return self._serve(links, wake_r)
+            return self._serve(links, wake_r, early)
         finally:
             self.terminate_all()
             signal.set_wakeup_fd(old_wakeup)
@@ -499,11 +499,16 @@ class Agent:
 
     def _await_welcome(
         self, links: CoordinatorLinks, wake_r: int, hello: dict[str, Any]
-    ) -> protocol.Message | None:
-        """Say hello until the coordinator's first answer (welcome or shutdown) comes; anything
-        else is dropped. An unanswered hello goes again every ``_HELLO_RETRY_S`` on a fresh
-        connection (a coordinator over its connection cap refused the last one). ``None``: a
-        SIGINT or SIGTERM came first (woken through ``wake_r``)."""
+    ) -> tuple[protocol.Message | None, list[protocol.Message]]:
+        """Say hello until the coordinator's first answer (welcome or shutdown) comes; what came
+        before it is dropped. An unanswered hello goes again every ``_HELLO_RETRY_S`` on a fresh
+        connection (a coordinator over its connection cap refused the last one).
+
+        Returns:
+            The answer (``None``: a SIGINT or SIGTERM came first, woken through ``wake_r``),
+            and what was read with it, after it: a standby that joined meanwhile, say, which
+            this node must know to follow it.
+        """
         cfg = self.config
         sock = links.active_socket
         poller = zmq.Poller()
@@ -529,10 +534,11 @@ class Agent:
                 os.read(wake_r, 4096)
             if sock not in ready:
                 continue
-            for msg in self.codec.drain(sock):
+            messages = self.codec.drain(sock)
+            for i, msg in enumerate(messages):
                 if msg.type in (protocol.WELCOME, protocol.SHUTDOWN):
-                    return msg
-        return None
+                    return msg, messages[i + 1 :]
+        return None, []
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signal = signum
@@ -544,9 +550,13 @@ class Agent:
         self.events.write("agent_interrupted", signal=self._signal)
         return 128 + self._signal
 
-    def _serve(self, links: CoordinatorLinks, wake_r: int) -> int:
+    def _serve(self, links: CoordinatorLinks, wake_r: int, early: list[protocol.Message]) -> int:
+        """Serve until the job ends, starting with ``early``: what came with the welcome."""
         next_beat = 0.0
         self._heard = time.monotonic()
+        code = self._handle(links, links.active_socket, early)
+        if code is not None:
+            return code
         while True:
             poller = zmq.Poller()
             for sock in links.sockets.values():
@@ -642,7 +652,14 @@ class Agent:
             now = time.monotonic()
             for _, body in [(t, b) for t, b in self._exits if now - t < _EXITS_KEPT_S]:
                 self._send(protocol.EXITED, body)
-        for msg in received.messages:
+        return self._handle(links, sock, received.messages)
+
+    def _handle(
+        self, links: CoordinatorLinks, sock: zmq.Socket[bytes], messages: list[protocol.Message]
+    ) -> int | None:
+        """Act on the coordinators' ``messages`` read from ``sock``; the exit code of a
+        shutdown among them."""
+        for msg in messages:
             if msg.type == protocol.VOTE:
                 self._vote(links, sock, msg)
                 continue

@@ -445,7 +445,7 @@ def test_an_agent_says_whether_it_would_vote_and_votes_only_for_a_standby_that_i
 def _agent_config(**kw):
     from launcher.agent import AgentConfig
 
-    return AgentConfig(
+    defaults: dict = dict(
         node_rank=0,
         nnodes=2,
         nproc_per_node=2,
@@ -455,8 +455,8 @@ def _agent_config(**kw):
         job_id="j",
         secret_file="/run/secret",
         run_dir="/run",
-        **kw,
     )
+    return AgentConfig(**{**defaults, **kw})
 
 
 def test_with_no_coordinator_left_a_node_says_in_one_line_where_the_checkpoint_is():
@@ -571,3 +571,59 @@ def test_a_slow_formation_is_logged_and_warned_of_with_the_deadline_to_use(coord
         e for e in read_events(coordinator.config.run_dir) if e["event"] == "slow_formation"
     ]
     assert logged["advised_ack_timeout_s"] == 12
+
+
+def test_what_comes_with_the_welcome_is_acted_on_a_standby_that_joined_meanwhile(tmp_path):
+    """A standby that joins just after a node was welcomed is announced right behind the
+    welcome, and both can be read at once: the node must still learn of it, or it could
+    never follow that standby once it takes over."""
+    import os
+    import threading
+
+    from launcher.agent import Agent
+    from launcher.secret import create_once
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    create_once(tmp_path / "secret")
+    agent = Agent(
+        _agent_config(
+            coordinator=f"127.0.0.1:{port}",
+            run_dir=str(tmp_path),
+            secret_file=str(tmp_path / "secret"),
+        )
+    )
+    links = agent.links = CoordinatorLinks(
+        zmq.Context.instance(), agent.identity, agent.codec, [f"127.0.0.1:{port}"]
+    )
+    welcome = protocol.Message(protocol.WELCOME, "coordinator", 0, 1, {"standbys": []})
+    standbys = protocol.Message(protocol.STANDBYS, "coordinator", 0, 2, {"addresses": ["s:3"]})
+
+    def read_together(sock):
+        sock.recv_multipart()  # what woke the node: the two messages behind it, in one read
+        return [welcome, standbys]
+
+    agent.codec.drain = read_together
+
+    def coordinator() -> None:  # answers the hello with a frame that wakes the node
+        if router.poll(30_000):
+            router.send_multipart([router.recv_multipart()[0], b"wake"])
+
+    answering = threading.Thread(target=coordinator, daemon=True)
+    answering.start()
+    wake_r, wake_w = os.pipe()
+    try:
+        first, early = agent._await_welcome(links, wake_r, {"role": "agent"})
+        assert first is welcome and early == [standbys]
+        assert agent._handle(links, links.active_socket, early) is None
+        assert "s:3" in links.sockets
+        known = [e for e in read_events(tmp_path) if e["event"] == "standbys_known"]
+        assert [e["addresses"] for e in known] == [["s:3"]]
+    finally:
+        answering.join(timeout=30)
+        os.close(wake_r)
+        os.close(wake_w)
+        links.close()
+        router.close()
+        agent.events.close()
