@@ -530,6 +530,21 @@ def progress(args: argparse.Namespace, runs: int) -> Iterator[LiveProgress]:
         yield live
 
 
+def why_not_fired(spec: str, timeline: list[tuple[float, int]], job: JobInfo) -> str:
+    """Why a fault of the schedule never fired, where the run shows it."""
+    fault = parse_fault(spec)
+    last = max((step for _, step in timeline), default=0)
+    if fault.in_recovery or fault.at <= last:
+        return "the run did not test it"
+    if job.script is not None:
+        return (
+            f"the script stopped at step {last}, before step {fault.at}: --steps tells the "
+            "bench how many steps the script trains, the script's own arguments (after --) "
+            "decide it: give both the same number"
+        )
+    return f"the run stopped at step {last}, before step {fault.at}"
+
+
 def notes(report: FaultRunReport) -> list[str]:
     """What a reader must know to trust the figures."""
     gpu = report.machine.gpu if report.job.device == "cuda" else None
@@ -555,7 +570,9 @@ def notes(report: FaultRunReport) -> list[str]:
         if section.error:
             out.append(f"The {name} run failed: {section.error.splitlines()[-1]}")
         for spec in section.not_fired:
-            out.append(f"{name}: {spec} never fired: the run did not test it")
+            out.append(
+                f"{name}: {spec} never fired: {why_not_fired(spec, section.timeline, report.job)}"
+            )
         for fault in section.faults:
             if isinstance(fault, phases.RecoveredFault) and fault.every_copy_lost:
                 out.append(
@@ -579,7 +596,8 @@ def print_table(report: FaultRunReport) -> None:
     for name, section in report.modes.items():
         label = "checkpointless" if name == "checkpointless" else "checkpoint-restart"
         for spec in section.not_fired:
-            print(f"  {label:18s} {spec}: never fired")
+            why = why_not_fired(spec, section.timeline, report.job)
+            print(f"  {label:18s} {spec}: never fired: {why}")
         for fault in section.faults:
             if not isinstance(fault, (phases.RecoveredFault, phases.RestartedFault)):
                 error = fault.error if isinstance(fault, phases.UnmeasuredFault) else None

@@ -267,6 +267,24 @@ def test_notes_name_lost_copies_silent_faults_and_unmeasured_ones():
     assert "every 3 steps" in text and "16 CPU cores, no GPU" in text
 
 
+def test_a_fault_that_never_fired_is_explained_where_the_run_shows_why(capsys):
+    report = _compare()
+    assert report.checkpointless is not None
+    section = report.checkpointless
+    section.not_fired = ["hang:rank=0@step=9:phase=optimizer", "kill:rank=1@step=4:phase=forward"]
+    text = "\n".join(fault_runs.notes(report))
+    # The run stopped at step 6: a fault at step 9 could not fire; one at step 4 should have.
+    assert "hang:rank=0@step=9:phase=optimizer never fired: the run stopped at step 6" in text
+    assert "kill:rank=1@step=4:phase=forward never fired: the run did not test it" in text
+    report.job = dataclasses.replace(report.job, script="train.py --steps 6")
+    text = "\n".join(fault_runs.notes(report))
+    assert "the script stopped at step 6, before step 9" in text and "after --" in text
+    fault_runs.print_table(report)
+    assert "step=9:phase=optimizer: never fired: the script stopped at step 6" in (
+        capsys.readouterr().out
+    )
+
+
 def test_the_resize_report_has_the_keys_it_always_printed():
     grow = InPlaceResize(3, 4, 7, 2.0, {"build": 300.0}, 1 << 20)
     report = ResizeReport("tiny", InPlaceRun([0, 0, 0], grow=grow))
