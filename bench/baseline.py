@@ -28,6 +28,7 @@ from typing import Any
 from bench.faults import COORDINATOR_KINDS, NODE_KINDS, Fault
 from bench.runner import CPU_ONLY, SHARED_GPU, example_args
 from bench.workdir import fresh_run_dir
+from launcher.agent import die_with_parent
 from launcher.events import read_json_lines
 from launcher.protocol import ENV_INJECT, ENV_TIMELINE
 
@@ -125,7 +126,12 @@ def run_baseline(
     stopped: list[int] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),  # torchrun then ends its workers
         )
         try:
             while proc.poll() is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 from types import ModuleType
 
@@ -81,12 +82,24 @@ def main(argv: list[str] | None = None) -> int:
 
     temporary = temporary_work_dir(args)
     code = 1
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         code = _run(module, args)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if temporary is not None:
             finish_work_dir(temporary, code)
     return code
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``kill``, a scheduler's cancel): raised where the bench is, so that
+    it ends its runs' processes and keeps or removes its work folder as on Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the clean-up is not cut short
+    raise Terminated
 
 
 def _run(module: ModuleType, args: argparse.Namespace) -> int:
@@ -101,9 +114,12 @@ def _run(module: ModuleType, args: argparse.Namespace) -> int:
     except BenchFailed as e:
         print(f"p2p-bench {args.command}: failed: {e}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("p2p-bench: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("p2p-bench: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

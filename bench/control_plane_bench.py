@@ -396,12 +396,14 @@ def _takeover(
 
 def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen[bytes]:
     """The real coordinator process, given its configuration as p2p-run gives it."""
+    from launcher.agent import die_with_parent
     from launcher.config import dump, write_private
     from launcher.coordinator import config_file
 
     path = config_file(settings.run_dir, settings.node)
     write_private(path, dump(settings))
-    return subprocess.Popen([sys.executable, "-m", "launcher.coordinator", "--config", str(path)])
+    command = [sys.executable, "-m", "launcher.coordinator", "--config", str(path)]
+    return subprocess.Popen(command, preexec_fn=die_with_parent())
 
 
 def _measure_size(n: int, args: argparse.Namespace) -> ControlPlaneSize:

@@ -50,8 +50,21 @@ class AgentError(RuntimeError):
     """The agent cannot run its node (e.g. the coordinator refused it)."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # looked up before any fork
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that has the kernel send the child ``signum`` when the thread that
+    started it ends, however it ends (``PR_SET_PDEATHSIG``; SIGKILL included). A parent gone
+    before the child got there is seen at once: the child is then adopted by another."""
+    parent = os.getpid()
+
+    def arm() -> None:  # runs in the child, between fork and exec
+        _prctl(_PR_SET_PDEATHSIG, signum)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signum)
+
+    return arm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,7 +268,7 @@ class Agent:
             return subprocess.Popen(
                 list(self.config.command),
                 env=self._env(identity, routing, role, rank, local_rank, theirs.fileno(), errors),
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent(),
                 pass_fds=(theirs.fileno(),),
                 **streams,
             )

@@ -47,7 +47,7 @@ from launcher import secret as secret_file
 from launcher.agent import (
     AgentConfig,
     AgentError,
-    _die_with_parent,
+    die_with_parent,
     run_agent,
     visible_devices,
 )
@@ -561,7 +561,7 @@ def _start_coordinator(
     path = config_file(run_dir, settings.node)
     write_private(path, dump(settings))
     cmd = [sys.executable, "-m", "launcher.coordinator", "--config", str(path)]
-    proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, preexec_fn=die_with_parent())
     deadline = time.monotonic() + _COORDINATOR_START_S
     while not address_file.exists():
         if proc.poll() is not None:

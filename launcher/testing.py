@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from launcher.agent import die_with_parent
 from launcher.events import read_events
 
 START_TIMEOUT_S = 60.0
@@ -145,6 +146,9 @@ class LocalJob:
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # Whatever ends the process that runs the job (a test, a bench), its nodes
+                # end with it: SIGTERM, on which p2p-run ends its processes.
+                preexec_fn=die_with_parent(signal.SIGTERM),
             )
         )
 
