@@ -28,8 +28,8 @@ from typing import Any
 from bench.faults import COORDINATOR_KINDS, NODE_KINDS, Fault
 from bench.runner import CPU_ONLY, SHARED_GPU, example_args
 from bench.workdir import fresh_run_dir
-from launcher.agent import die_with_parent
 from launcher.events import read_json_lines
+from launcher.lifetime import die_with_parent
 from launcher.protocol import ENV_INJECT, ENV_TIMELINE
 
 PLAIN = str(Path(__file__).resolve().parents[1] / "examples" / "train_plain.py")

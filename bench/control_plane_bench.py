@@ -396,9 +396,9 @@ def _takeover(
 
 def _start_coordinator(settings: CoordinatorConfig) -> subprocess.Popen[bytes]:
     """The real coordinator process, given its configuration as p2p-run gives it."""
-    from launcher.agent import die_with_parent
     from launcher.config import dump, write_private
     from launcher.coordinator import config_file
+    from launcher.lifetime import die_with_parent
 
     path = config_file(settings.run_dir, settings.node)
     write_private(path, dump(settings))

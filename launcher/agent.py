@@ -18,7 +18,6 @@ naming it and how to resume.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -36,35 +35,18 @@ import zmq
 from launcher import protocol
 from launcher.config import setting
 from launcher.events import EventLog
+from launcher.lifetime import die_with_parent
 from launcher.link import CoordinatorLinks
 from launcher.output import OutputConfig, Streams, error_file, read_error_file
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 #: How long children get between SIGTERM and SIGKILL when the agent shuts down.
 _TERMINATE_GRACE_S = 3.0
 
 
 class AgentError(RuntimeError):
     """The agent cannot run its node (e.g. the coordinator refused it)."""
-
-
-_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # looked up before any fork
-
-
-def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None]:
-    """A ``preexec_fn`` that has the kernel send the child ``signum`` when the thread that
-    started it ends, however it ends (``PR_SET_PDEATHSIG``; SIGKILL included). A parent gone
-    before the child got there is seen at once: the child is then adopted by another."""
-    parent = os.getpid()
-
-    def arm() -> None:  # runs in the child, between fork and exec
-        _prctl(_PR_SET_PDEATHSIG, signum)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signum)
-
-    return arm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -47,7 +47,6 @@ from launcher import secret as secret_file
 from launcher.agent import (
     AgentConfig,
     AgentError,
-    die_with_parent,
     run_agent,
     visible_devices,
 )
@@ -55,6 +54,7 @@ from launcher.config import add_flags, dump, from_args, setting, write_private
 from launcher.coordinator import COORDINATOR_FILE, CoordinatorConfig, config_file
 from launcher.coordinator import run as run_coordinator
 from launcher.events import read_events
+from launcher.lifetime import die_with_parent
 from launcher.membership import JOIN_FAILED, NOT_THE_ENGINE, MembershipConfig
 from launcher.output import LINE_PREFIX_ENV, OutputConfig, node_log_dir
 from launcher.policy import ElasticConfig

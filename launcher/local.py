@@ -36,6 +36,8 @@ from typing import Any, cast
 
 import msgpack
 
+from launcher import lifetime
+
 logger = logging.getLogger(__name__)
 
 #: How long a rank that was told to dump its stacks gets before it is killed.
@@ -177,11 +179,11 @@ def rank_process(
 ) -> multiprocessing.Process:
     """A process (not started) that runs ``target(*args)`` the way :func:`run_local` runs its
     ranks: forked from the server that imported torch, with the parent's environment, stdout
-    and stderr of the moment it starts, its stacks dumped on SIGUSR1, and killed if the parent
-    exits first (daemonic)."""
+    and stderr of the moment it starts, its stacks dumped on SIGUSR1, and ended with the parent
+    (daemonic; killed even if the parent is SIGKILLed)."""
     process = rank_context().Process(
         target=_run_as_rank,
-        args=(_ParentStdio(), dict(os.environ), target, args),
+        args=(os.getpid(), _ParentStdio(), dict(os.environ), target, args),
         name=name,
         daemon=True,
     )
@@ -189,11 +191,15 @@ def rank_process(
 
 
 def _run_as_rank(
+    origin: int,
     stdio: _ParentStdio,
     environ: Mapping[str, str],
     target: Callable[..., Any],
     args: Sequence[Any],
 ) -> None:
+    # The rank ends with ``origin``, the process that asked for it, however that ends (the fork
+    # server, its parent, outlives them both): not left orphaned in a collective.
+    lifetime.end_with(origin)
     stdio.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     # The fork server's environment is the parent's when the server started: the parent's of now.

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from launcher.agent import die_with_parent
 from launcher.events import read_events
+from launcher.lifetime import alive, die_with_parent
 
 START_TIMEOUT_S = 60.0
 
@@ -39,15 +39,6 @@ class Hosts(Protocol):
 
 class JobTimeout(TimeoutError):
     """A job outlived its deadline (it was killed)."""
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:\tZ") for line in f)
-    except FileNotFoundError:
-        return False
 
 
 class LocalJob:

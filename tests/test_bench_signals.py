@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher.events import read_events
-from launcher.testing import alive
+from launcher.lifetime import alive
 
 pytestmark = pytest.mark.slow
 

@@ -3,8 +3,15 @@ the parent writes now, and a hung group is diagnosable from that output."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
+from launcher.lifetime import alive
 from launcher.local import WorkerGroupConfig, WorkerGroupError, rank_process, run_local
 from tests.launcher import _local_workers
 
@@ -46,3 +53,24 @@ def test_a_hung_rank_dumps_its_stacks_where_the_parent_reads_before_it_is_killed
     err = capfd.readouterr().err
     # faulthandler's dump: the function the rank was stuck in.
     assert "in stuck_in_a_wait" in err, err
+
+
+def test_ranks_end_with_the_process_that_started_them_even_when_it_is_sigkilled(tmp_path):
+    # Their parent is the fork server, which outlives it: they watch it themselves.
+    origin = subprocess.Popen([sys.executable, "-m", "tests.launcher._local_workers", tmp_path])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids := [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]) < 2:
+            assert origin.poll() is None and time.monotonic() < deadline, "no ranks started"
+            time.sleep(0.05)
+        origin.kill()
+        origin.wait()
+        while left := [pid for pid in pids if alive(pid)]:
+            assert time.monotonic() < deadline, f"ranks {left} outlived their parent"
+            time.sleep(0.05)
+    finally:
+        origin.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.events import read_events
-from launcher.testing import alive
+from launcher.lifetime import alive
 from tests.jobs import WORKER, wait_for
 
 pytestmark = pytest.mark.slow

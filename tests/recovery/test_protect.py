@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench.runner import JobOutcome
+from launcher.lifetime import alive
 from launcher.protocol import ENV_BENCH_STEP_S, ENV_JOB_HOOKS
-from launcher.testing import alive
 from recovery.checkpoint import complete_steps
 from recovery.phases import PEER_RECOVERY_PHASES
 from tests.recovery.conftest import NUM_STEPS, assert_bitwise, run

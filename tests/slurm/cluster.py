@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from launcher.testing import alive
+from launcher.lifetime import alive
 
 NODES = ("n1", "n2", "n3")
 BINARIES = ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
