@@ -31,6 +31,7 @@ from bench.workdir import fresh_run_dir
 from launcher.events import read_json_lines
 from launcher.lifetime import die_with_parent
 from launcher.protocol import ENV_INJECT, ENV_TIMELINE
+from launcher.testing import JobTimeout
 
 PLAIN = str(Path(__file__).resolve().parents[1] / "examples" / "train_plain.py")
 
@@ -81,7 +82,7 @@ def run_baseline(
     ``device`` as :func:`bench.runner.run_script` takes it.
 
     Raises:
-        TimeoutError: the run outlived ``timeout_s`` (it is killed first).
+        JobTimeout: the run outlived ``timeout_s`` (it is killed first).
     """
     run_dir = fresh_run_dir(run_dir)
     timeline_path = run_dir / "timeline.jsonl"
@@ -136,9 +137,7 @@ def run_baseline(
         try:
             while proc.poll() is None:
                 if time.monotonic() - t0 > timeout_s:
-                    raise TimeoutError(
-                        f"the baseline run outlived {timeout_s:.0f}s; see {log_path}"
-                    )
+                    raise JobTimeout(f"the baseline run outlived {timeout_s:g} s; see {log_path}")
                 marks = read_json_lines(timeline_path)
                 if on_poll is not None:
                     on_poll(marks)

@@ -7,10 +7,13 @@ Each subcommand lives in its own module that defines ``add_arguments(parser)`` a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from types import ModuleType
 
 #: subcommand -> (module, one-line help)
@@ -68,14 +71,23 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``p2p-bench`` console script."""
-    parser = argparse.ArgumentParser(prog="p2p-bench", description=__doc__.splitlines()[0])
+    # A bad value is one line naming the flag, as the subcommands' own checks are.
+    parser = argparse.ArgumentParser(
+        prog="p2p-bench", description=__doc__.splitlines()[0], exit_on_error=False
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, exit_on_error=False)
         p.set_defaults(_module=module_name)
         importlib.import_module(module_name).add_arguments(p)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except argparse.ArgumentError as e:
+        given = sys.argv[1:] if argv is None else argv
+        command = next((f"p2p-bench {a}" for a in given if a in _COMMANDS), "p2p-bench")
+        print(f"{command}: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
     from bench.workdir import finish_work_dir, temporary_work_dir
@@ -105,13 +117,15 @@ def _terminate(signum: int, frame: object) -> None:
 def _run(module: ModuleType, args: argparse.Namespace) -> int:
     """The subcommand's exit code; its usage errors and failures as one line."""
     from bench.errors import BenchFailed, UsageError
+    from launcher.testing import JobStartFailed, JobTimeout
 
     try:
+        _check_out_dir(args)
         return int(module.run(args) or 0)
     except UsageError as e:
         print(f"p2p-bench {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except BenchFailed as e:
+    except (BenchFailed, JobStartFailed, JobTimeout) as e:
         print(f"p2p-bench {args.command}: failed: {e}", file=sys.stderr)
         return 1
     except Terminated:
@@ -120,6 +134,39 @@ def _run(module: ModuleType, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("p2p-bench: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+
+
+def _check_out_dir(args: argparse.Namespace) -> None:
+    """Refuse a report folder that cannot be written before the runs, not after them; what
+    the check creates it removes (the report creates it again).
+
+    Raises:
+        bench.errors.UsageError: the folder cannot be created, or not written into.
+    """
+    from bench.errors import UsageError
+
+    flag, folder = next(
+        (
+            (f"--{name.replace('_', '-')}", Path(value))
+            for name in ("out_dir", "out")
+            if (value := getattr(args, name, None))
+        ),
+        (None, None),
+    )
+    if folder is None:
+        return
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {folder}: cannot write there ({e.strerror}): give a folder you can write"
+        ) from None
+    finally:
+        for made in missing:
+            with contextlib.suppress(OSError):
+                made.rmdir()
 
 
 if __name__ == "__main__":

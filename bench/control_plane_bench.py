@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.errors import BenchFailed
+from bench.flags import count, heartbeats, positive
 from bench.reports import ControlPlaneReport, ControlPlaneSize, Takeover
 
 if TYPE_CHECKING:
@@ -71,15 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[256, 1024, 2048],
         help="job sizes to measure (default 256 1024 2048)",
     )
-    p.add_argument("--workers", type=int, default=4, help="processes hosting emulated ranks")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds (default 3)")
-    p.add_argument("--exits", type=int, default=10, help="process-exit trials per size")
-    p.add_argument("--hangs", type=int, default=2, help="missed-heartbeat trials per size")
-    p.add_argument("--cpu-window", type=float, default=5.0, help="seconds of steady state")
+    p.add_argument("--workers", type=count(1), default=4, help="processes hosting emulated ranks")
+    p.add_argument("--heartbeat-interval", type=positive, default=0.5, help="seconds (default 0.5)")
+    p.add_argument("--heartbeat-timeout", type=positive, default=3.0, help="seconds (default 3)")
+    p.add_argument("--exits", type=count(0), default=10, help="process-exit trials per size")
+    p.add_argument("--hangs", type=count(0), default=2, help="missed-heartbeat trials per size")
+    p.add_argument("--cpu-window", type=positive, default=5.0, help="seconds of steady state")
     p.add_argument(
         "--takeover-timeout",
-        type=float,
+        type=positive,
         default=1.0,
         help="the standby coordinator's silence limit before it asks for votes (default 1)",
     )
@@ -602,13 +603,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    if not args.takeover_timeout > 0:
-        print(
-            f"p2p-bench control-plane: --takeover-timeout {args.takeover_timeout}: use a number "
-            "of seconds above 0 (or --no-takeover)",
-            file=sys.stderr,
-        )
-        return 2
+    heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
     sizes = [_measure_size(n, args) for n in args.ranks]
     report = ControlPlaneReport(
         heartbeat_interval_s=args.heartbeat_interval,

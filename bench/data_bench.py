@@ -21,18 +21,24 @@ import time
 from pathlib import Path
 
 from bench.bench_reports import DataReport
+from bench.errors import UsageError
+from bench.flags import count, positive
 
 _WORDS = [f"w{i:04d}" for i in range(4096)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench data``."""
-    p.add_argument("--size-mb", type=float, default=300.0, help="corpus size (default 300)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample")
-    p.add_argument("--global-batch", type=int, default=64, help="samples per step, all ranks")
-    p.add_argument("--world-size", type=int, default=8, help="ranks sharing the global batch")
-    p.add_argument("--resume-step", type=int, default=100, help="step the replacement resumes at")
-    p.add_argument("--batches", type=int, default=200, help="batches for the throughput figure")
+    p.add_argument("--size-mb", type=positive, default=300.0, help="corpus size (default 300)")
+    p.add_argument("--seq-len", type=count(2), default=512, help="tokens per sample")
+    p.add_argument("--global-batch", type=count(1), default=64, help="samples per step, all ranks")
+    p.add_argument("--world-size", type=count(1), default=8, help="ranks sharing the global batch")
+    p.add_argument(
+        "--resume-step", type=count(0), default=100, help="step the replacement resumes at"
+    )
+    p.add_argument(
+        "--batches", type=count(1), default=200, help="batches for the throughput figure"
+    )
     p.add_argument(
         "--dir",
         default=None,
@@ -136,13 +142,11 @@ def measure(args: argparse.Namespace) -> DataReport:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``p2p-bench data``."""
-    if args.size_mb <= 0 or args.seq_len < 2 or args.global_batch < args.world_size:
-        print(
-            "p2p-bench data: --size-mb must be > 0, --seq-len >= 2 and --global-batch >= "
-            "--world-size",
-            file=sys.stderr,
+    if args.global_batch < args.world_size:
+        raise UsageError(
+            f"--global-batch {args.global_batch} is smaller than --world-size "
+            f"{args.world_size}: every rank reads at least one sample a step"
         )
-        return 2
     r = measure(args)
     if args.json:
         print(json.dumps(r.to_json()))

@@ -33,6 +33,7 @@ from bench import phases
 from bench.baseline import run_baseline
 from bench.errors import UsageError
 from bench.faults import COORDINATOR_KINDS, NODE_KINDS, Fault, parse_fault, random_faults
+from bench.flags import MODEL_PRESETS, count, heartbeats, positive
 from bench.netns import Healer, Network, unavailable
 from bench.reports import (
     BaselineSummary,
@@ -52,10 +53,14 @@ if TYPE_CHECKING:
 
 def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_every: int) -> None:
     """Flags every fault benchmark takes."""
-    p.add_argument("--model", default="example", help="tiny, small or example (default)")
-    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
-    p.add_argument("--nnodes", type=int, default=2, help="emulated nodes (default 2)")
-    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument(
+        "--model", default="example", choices=MODEL_PRESETS, help="model preset (default example)"
+    )
+    p.add_argument(
+        "--steps", type=count(2), default=steps, help=f"training steps (default {steps})"
+    )
+    p.add_argument("--nnodes", type=count(1), default=2, help="emulated nodes (default 2)")
+    p.add_argument("--nproc-per-node", type=count(1), default=2, help="ranks per node (default 2)")
     p.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda"],
@@ -70,17 +75,19 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
         default=[],
         help="a fault, e.g. kill:rank=3@step=20 (repeatable; see bench/faults.py)",
     )
-    p.add_argument("--random", type=int, default=0, help="N random kills and hangs (chaos mode)")
+    p.add_argument(
+        "--random", type=count(0), default=0, help="N random kills and hangs (chaos mode)"
+    )
     p.add_argument(
         "--replicas",
-        type=int,
+        type=count(1),
         default=1,
         help="replication factor k of the engine's run (p2p-run --replicas; default 1)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
     p.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=count(0),
         default=checkpoint_every,
         help=f"steps between DCP checkpoints (default {checkpoint_every})",
     )
@@ -99,9 +106,9 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
         help="keep fault-free reference runs here and reuse one made for the same job (script "
         "and its bytes, arguments, model, steps, shape, torch); clear it when the code changes",
     )
-    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="p2p-run's, seconds")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="p2p-run's, seconds")
-    p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
+    p.add_argument("--heartbeat-interval", type=positive, default=0.5, help="p2p-run's, seconds")
+    p.add_argument("--heartbeat-timeout", type=positive, default=3.0, help="p2p-run's, seconds")
+    p.add_argument("--timeout", type=positive, default=1800.0, help="deadline per run, seconds")
     p.add_argument("--quiet", action="store_true", help="no live progress display")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -163,16 +170,13 @@ def resolve_faults(args: argparse.Namespace) -> list[Fault]:
             )
         if f.kind == "partition" and (why := unavailable()) is not None:
             raise UsageError(f"{f}: the nodes must run in network namespaces here, and {why}")
-    if args.steps < 2 or args.nnodes < 1 or args.nproc_per_node < 1:
-        raise UsageError("--steps must be >= 2, --nnodes and --nproc-per-node >= 1")
+    heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
     replicas = getattr(args, "replicas", 1)
     if not 1 <= replicas < world:
         raise UsageError(
             f"--replicas {replicas}: every shard is copied to k other ranks, so k must be "
             f"between 1 and {world - 1} for {world} ranks"
         )
-    if args.checkpoint_every < 0:
-        raise UsageError(f"--checkpoint-every {args.checkpoint_every}: use 0 (none) or more")
     return sorted(faults, key=lambda f: f.at)
 
 

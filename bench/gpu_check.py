@@ -34,6 +34,7 @@ import torch
 from bench.bench_reports import CheckError, CheckResult, GpuCheckReport, ReplicateReport
 from bench.errors import UsageError
 from bench.fault_runs import machine
+from bench.flags import MODEL_PRESETS, count
 
 #: The project's root: the sub-runs are started from it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench gpu-check``."""
-    p.add_argument("--mib", type=int, default=1024, help="bytes per copy and checksum, MiB")
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--mib", type=count(1), default=1024, help="bytes per copy and checksum, MiB")
+    p.add_argument("--repeats", type=count(1), default=5, help="timed repetitions (median)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the GPU unit tests")
     p.add_argument(
         "--only",
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="example",
-        choices=["tiny", "small", "example"],
+        choices=MODEL_PRESETS,
         help="example model preset for the replicate() and rebuild checks",
     )
     p.add_argument("--out", default="runs/gpu-check", help="report folder")
@@ -61,8 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the checks; 0 also where there is no GPU (nothing to check)."""
-    if args.mib < 1 or args.repeats < 1:
-        raise UsageError("--mib and --repeats must be at least 1")
     only = _only(args.only)
     if not torch.cuda.is_available():
         line = "gpu-check: no CUDA device on this machine; nothing to check"

@@ -32,6 +32,7 @@ import msgpack
 import zmq
 
 from bench.errors import BenchFailed
+from bench.flags import count
 from bench.reports import HostileReport
 from launcher import protocol
 
@@ -40,11 +41,11 @@ _JOB = "p2p-job"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench hostile``."""
-    p.add_argument("--flood-sockets", type=int, default=400, help="sockets in the flood")
-    p.add_argument("--flood-frames", type=int, default=50, help="garbage frames per socket")
-    p.add_argument("--per-kind", type=int, default=500, help="messages tried per kind")
+    p.add_argument("--flood-sockets", type=count(1), default=400, help="sockets in the flood")
+    p.add_argument("--flood-frames", type=count(1), default=50, help="garbage frames per socket")
+    p.add_argument("--per-kind", type=count(1), default=500, help="messages tried per kind")
     p.add_argument(
-        "--oversized-mb", type=int, default=256, help="size of each oversized frame (MiB)"
+        "--oversized-mb", type=count(1), default=256, help="size of each oversized frame (MiB)"
     )
     p.add_argument("--out-dir", default=None, help="write report.json and report.md here")
     p.add_argument("--json", action="store_true", help="print one JSON object")

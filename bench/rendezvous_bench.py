@@ -46,7 +46,7 @@ from typing import Any
 
 from bench.bench_reports import HostInfo, RendezvousPattern, RendezvousReport, RendezvousSize
 from bench.control_plane_bench import process_cpu_s
-from bench.errors import UsageError
+from bench.flags import count
 from bench.scale_model import GLOO_BATCH, LAZY_PAIRS
 
 #: Bytes of a gloo TCP address: a ``sockaddr_storage`` and a sequence number.
@@ -58,15 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench rendezvous``."""
     p.add_argument(
         "--ranks",
-        type=int,
+        type=count(2),
         nargs="+",
         default=[256, 512, 1024, 2048],
         help="members of the group (default 256 512 1024 2048)",
     )
-    p.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    p.add_argument("--clients", type=count(1), default=4, help="client processes (default 4)")
     p.add_argument(
         "--min-requests",
-        type=int,
+        type=count(1),
         default=20_000,
         help="requests replayed per size and way, at least (default 20,000)",
     )
@@ -208,10 +208,6 @@ def measure(args: argparse.Namespace) -> RendezvousReport:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``p2p-bench rendezvous``."""
-    if any(n < 2 for n in args.ranks):
-        raise UsageError(f"--ranks {args.ranks}: a group has at least 2 members")
-    if args.clients < 1 or args.min_requests < 1:
-        raise UsageError("--clients and --min-requests must be at least 1")
     report = measure(args)
     if args.json:
         print(json.dumps(report.to_json()))

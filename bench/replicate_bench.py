@@ -25,20 +25,23 @@ import time
 from typing import Any
 
 from bench.bench_reports import HostInfo, ReplicateReport, RoundTimes
+from bench.flags import MODEL_PRESETS, count, positive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench replicate``."""
-    p.add_argument("--model", default="example", help="model preset (tiny, small, example)")
-    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per emulated node")
-    p.add_argument("--blocks", type=int, default=3, help="alternating on/off blocks per mode")
-    p.add_argument("--steps-per-block", type=int, default=4, help="training steps per block")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps before measuring")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--rounds", type=int, default=10, help="standalone transfer repetitions")
-    p.add_argument("--chunk-mb", type=float, default=32.0, help="replication chunk size, MiB")
-    p.add_argument("--timeout", type=float, default=1200.0, help="deadline for the run, seconds")
+    p.add_argument(
+        "--model", default="example", choices=MODEL_PRESETS, help="model preset (default example)"
+    )
+    p.add_argument("--nproc", type=count(2), default=4, help="ranks (default 4)")
+    p.add_argument("--ranks-per-node", type=count(1), default=2, help="ranks per emulated node")
+    p.add_argument("--blocks", type=count(1), default=3, help="alternating on/off blocks per mode")
+    p.add_argument("--steps-per-block", type=count(1), default=4, help="training steps per block")
+    p.add_argument("--warmup", type=count(0), default=3, help="warm-up steps before measuring")
+    p.add_argument("--batch-size", type=count(1), default=4, help="sequences per rank per step")
+    p.add_argument("--rounds", type=count(1), default=10, help="standalone transfer repetitions")
+    p.add_argument("--chunk-mb", type=positive, default=32.0, help="replication chunk size, MiB")
+    p.add_argument("--timeout", type=positive, default=1200.0, help="deadline for the run, seconds")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks train")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -191,11 +194,8 @@ def measure(args: argparse.Namespace) -> ReplicateReport:
 
     import torch
 
-    from bench.models import PRESETS
     from launcher.local import WorkerGroupConfig, run_local
 
-    if args.model not in PRESETS:
-        raise ValueError(f"--model {args.model!r}: choose one of {', '.join(PRESETS)}")
     params = {
         "model": args.model,
         "warmup": args.warmup,

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.baseline import run_baseline
-from bench.errors import BenchFailed, UsageError
+from bench.errors import BenchFailed
+from bench.flags import MODEL_PRESETS, count, non_negative, positive
 from bench.reports import DcpResize, InPlaceResize, InPlaceRun, ResizeReport
 from bench.runner import EXAMPLE
 from bench.workdir import WORK_DIR_HELP, fresh_run_dir
@@ -50,14 +51,16 @@ PACE_OFF = "pace-off"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench resize``."""
-    p.add_argument("--model", default="example", help="tiny, small or example (default)")
-    p.add_argument("--steps", type=int, default=16, help="steps of the in-place run")
-    p.add_argument("--dcp-steps", type=int, default=3, help="steps before the DCP resize")
+    p.add_argument(
+        "--model", default="example", choices=MODEL_PRESETS, help="model preset (default example)"
+    )
+    p.add_argument("--steps", type=count(2), default=16, help="steps of the in-place run")
+    p.add_argument("--dcp-steps", type=count(1), default=3, help="steps before the DCP resize")
     p.add_argument("--work-dir", default=None, help=WORK_DIR_HELP)
-    p.add_argument("--timeout", type=float, default=1800.0, help="deadline per run, seconds")
+    p.add_argument("--timeout", type=positive, default=1800.0, help="deadline per run, seconds")
     p.add_argument(
         "--step-time",
-        type=float,
+        type=non_negative,
         default=0.0,
         help="pace the in-place run: at least this many seconds per step until both resizes "
         "are done (for small models; default 0, unpaced)",
@@ -217,8 +220,6 @@ def _through_dcp(args: argparse.Namespace, work: Path, before: int, after: int) 
 def run(args: argparse.Namespace) -> int:
     """Both ways, both directions; print the figures."""
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="p2p-bench-resize-"))
-    if args.steps < 2 or args.dcp_steps < 1 or args.step_time < 0:
-        raise UsageError("--steps must be at least 2, --dcp-steps 1 and --step-time 0 or more")
     report = ResizeReport(model=args.model, in_place=_in_place(args, work))
     if not args.no_dcp:
         report.dcp_grow = _through_dcp(args, work, 3, 4)

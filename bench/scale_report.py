@@ -29,6 +29,7 @@ from bench.bench_reports import (
     WorstHeldOut,
 )
 from bench.errors import UsageError
+from bench.flags import count, positive
 from bench.scale_model import Input, Inputs, Job
 from recovery.gloo_pairs import LAZY_FROM_RANKS, pairs_on_first_use
 
@@ -38,12 +39,12 @@ SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``p2p-bench scale-report``."""
     p.add_argument("--gpus", type=int, default=2048, help="GPUs of the job (default 2048)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=count(1), default=8, help="GPUs per node (default 8)")
     p.add_argument("--model", default="llama3-70b", help="preset (llama3-8b, -70b, -405b)")
     p.add_argument("--params", type=float, default=None, help="parameter count (own model)")
     p.add_argument("--step-s", type=float, default=None, help="seconds per step (own model)")
     p.add_argument("--hardware", default="h100-ib400", help="preset (h100-ib400, ...)")
-    p.add_argument("--ib-gbps", type=float, default=None, help="GB/s per GPU across nodes")
+    p.add_argument("--ib-gbps", type=positive, default=None, help="GB/s per GPU across nodes")
     p.add_argument(
         "--set",
         action="append",

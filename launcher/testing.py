@@ -37,6 +37,10 @@ class Hosts(Protocol):
         ...
 
 
+class JobStartFailed(RuntimeError):
+    """Node 0's p2p-run exited before its coordinator was up (its log says why)."""
+
+
 class JobTimeout(TimeoutError):
     """A job outlived its deadline (it was killed)."""
 
@@ -155,7 +159,7 @@ class LocalJob:
             if info:
                 return info
             if self.nodes[0].poll() is not None:
-                raise RuntimeError(f"p2p-run of node 0 exited: {self.output(0)[-2000:]}")
+                raise JobStartFailed(f"p2p-run of node 0 exited: {self.output(0)[-2000:]}")
             time.sleep(0.02)
         raise JobTimeout(f"the coordinator did not start within {START_TIMEOUT_S:.0f}s")
 
@@ -199,7 +203,7 @@ class LocalJob:
             if time.monotonic() > deadline:
                 self.kill_everything()
                 raise JobTimeout(
-                    f"the job in {self.run_dir} still ran after {timeout_s:.0f}s and was killed; "
+                    f"the job in {self.run_dir} still ran after {timeout_s:g} s and was killed; "
                     f"see {self.run_dir}/p2p-run-*.log and events.jsonl"
                 )
             if on_poll is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -474,7 +475,7 @@ def test_spares_cover_every_lost_rank_on_nodes_that_survive(specs, expected):
         (["--script", "no/such/train.py"], "--script no/such/train.py: no such file"),
         (["--", "--lr", "1"], "unexpected arguments --lr 1: only a --script takes them"),
         (["--replicas", "4"], "--replicas 4: every shard is copied to k other ranks"),
-        (["--checkpoint-every", "-1"], "--checkpoint-every -1: use 0 (none) or more"),
+        (["--checkpoint-every", "-1"], "argument --checkpoint-every: -1 is below 0"),
     ],
 )
 def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
@@ -483,6 +484,56 @@ def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
     assert main(["inject", "--fault", "kill:rank=1@step=3", *argv]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inject", "--model", "huge"], "argument --model: invalid choice: 'huge'"),
+        (["inject", "--steps", "1"], "argument --steps: 1 is below 2, the least it takes"),
+        (["compare", "--timeout", "0"], "argument --timeout: 0 is not above 0"),
+        (["recover", "--heartbeat-timeout", "0.2"], "--heartbeat-timeout 0.2 must be longer"),
+        (["replicate", "--blocks", "0"], "argument --blocks: 0 is below 1"),
+        (["replicate", "--chunk-mb", "x"], "argument --chunk-mb: 'x' is not a number"),
+        (["control-plane", "--workers", "-1"], "argument --workers: -1 is below 1"),
+        (["data", "--world-size", "100"], "--global-batch 64 is smaller than --world-size 100"),
+        (["resize", "--step-time", "-1"], "argument --step-time: -1 is below 0"),
+        (["scale-report", "--gpus-per-node", "0"], "argument --gpus-per-node: 0 is below 1"),
+        (["hostile", "--per-kind", "0"], "argument --per-kind: 0 is below 1"),
+        (["baseline", "--out-dir", "/proc/no/such"], "--out-dir /proc/no/such: cannot write there"),
+    ],
+)
+def test_a_flag_out_of_range_is_one_line_before_anything_runs(capfd, tmp_path, argv, message):
+    from bench.cli import main
+
+    fault = (
+        ["--fault", "kill:rank=1@step=3"]
+        if argv[0] in ("inject", "compare", "recover", "baseline")
+        else []
+    )
+    assert main([*argv, *fault]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith(f"p2p-bench {argv[0]}: "), err
+
+
+def test_the_model_presets_the_flags_offer_are_the_models():
+    from bench.flags import MODEL_PRESETS
+    from bench.models import PRESETS
+
+    assert tuple(PRESETS) == MODEL_PRESETS
+
+
+def test_a_run_past_its_deadline_is_a_one_line_failure_with_its_files_kept(capfd, tmp_path):
+    from bench.cli import main
+
+    argv = ["inject", "--model", "tiny", "--steps", "4", "--fault", "kill:rank=1@step=3"]
+    assert main([*argv, "--timeout", "0.5", "--quiet"]) == 1
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[0].startswith("p2p-bench inject: failed: the job in "), err
+    assert "still ran after 0.5 s and was killed" in err[0]
+    kept = err[1].split("kept in ")[1]
+    assert (Path(kept) / "checkpointless" / "p2p-run-0.log").exists()
+    shutil.rmtree(kept)
 
 
 def test_recover_fires_a_fault_in_the_transfer_phase_of_the_recovery(capsys, tmp_path, references):

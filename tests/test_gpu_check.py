@@ -24,4 +24,4 @@ def test_without_cuda_it_says_so_in_one_line(capsys, tmp_path) -> None:
 
 def test_bad_sizes_get_a_one_line_error(capsys) -> None:
     assert main(["gpu-check", "--mib", "0"]) == 2
-    assert "--mib and --repeats must be at least 1" in capsys.readouterr().err
+    assert "argument --mib: 0 is below 1, the least it takes" in capsys.readouterr().err
