@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -124,7 +125,25 @@ def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
         if _FLAGS in f.metadata and hasattr(args, f.name)
     }
     values.update(given)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:  # the dataclass speaks of its fields; the user gave flags
+        raise ValueError(_as_flags(cls, str(e))) from None
+
+
+def _as_flags(cls: type, message: str) -> str:
+    """``message`` with each ``Cls.field=value`` of a field that is a flag as ``--flag value``."""
+    flags = {
+        f.name: f.metadata[_FLAGS][0]
+        for f in dataclasses.fields(typing.cast(Any, cls))
+        if _FLAGS in f.metadata
+    }
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        return match.group(0) if name not in flags else f"{flags[name]} {value}"
+
+    return re.sub(rf"\b{cls.__name__}\.(\w+)=(\S+)", flag, message)
 
 
 # -- one document -----------------------------------------------------------------------------

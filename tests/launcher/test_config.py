@@ -119,6 +119,12 @@ def test_the_coordinator_refuses_a_bad_configuration_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_refused_value_is_named_by_its_flag_not_by_its_field():
+    args = build_parser().parse_args(["--max-ranks", "8", "--graceful-timeout", "-1"])
+    with pytest.raises(ValueError, match=r"^--graceful-timeout -1.0 must be > 0$"):
+        config.from_args(ElasticConfig, args, min_ranks=4)
+
+
 def test_a_setting_without_a_flag_is_not_a_flag():
     with pytest.raises(TypeError, match="not declared with setting"):
         config.add_flags(build_parser(), MembershipConfig, "stop_timeout_s")
