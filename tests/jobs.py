@@ -26,6 +26,20 @@ def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def running_in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` that still run (zombies do not)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
 class Job(LocalJob):
     """A job with a fast heartbeat (0.1 s, dead after 3 s) so faults are seen quickly."""
 

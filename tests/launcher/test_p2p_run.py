@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ import pytest
 
 from launcher.events import read_events
 from launcher.lifetime import alive
-from tests.jobs import WORKER, wait_for
+from tests.jobs import WORKER, running_in_session, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +77,38 @@ def test_ctrl_c_leaves_no_process_behind(start_job):
     codes = [n.wait(timeout=30) for n in job.nodes]
     assert all(c != 0 for c in codes)
     wait_for(lambda: not any(alive(p) for p in pids), "every process of the job to exit", 15)
+
+
+def test_a_job_ends_with_the_process_that_started_it_even_when_that_is_sigkilled(tmp_path):
+    # A test or a bench that dies without cleaning up (SIGKILL, the OOM killer, a CI timeout)
+    # leaves no job behind: the kernel sends its p2p-run nodes SIGTERM (PR_SET_PDEATHSIG).
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from tests.jobs import Job; "
+            "Job(Path(sys.argv[1]), 2, 2, (1, 0), []); time.sleep(300)",
+            str(tmp_path),
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        start_new_session=True,  # what a failure leaves behind goes with the group below
+    )
+    try:
+        wait_for(
+            lambda: (
+                len([e for e in read_events(tmp_path) if e["event"] == "process_started"]) == 5
+                and (tmp_path / "coordinator.json").exists()
+            ),
+            "the job's 4 ranks, its spare and its coordinator",
+        )
+        owner.kill()
+        owner.wait()
+        # Its nodes, their coordinator, ranks and spare: all in the owner's session.
+        wait_for(lambda: not running_in_session(owner.pid), "every process of the job to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()
 
 
 def test_a_node_waiting_for_its_welcome_stops_on_sigterm_at_once(start_job):
