@@ -4,9 +4,9 @@ A process that exits normally, on Ctrl-C or on SIGTERM ends its children itself;
 SIGKILLed (the OOM killer, a job's hard limit, a test run's timeout) cannot. The kernel can:
 ``PR_SET_PDEATHSIG`` has it signal the child when the thread that started it ends. Every process
 this project starts asks for it: ranks, spares and coordinators under ``p2p-run``, the nodes of
-a test's or a bench's job. A rank forked by :mod:`launcher.local` is the child of a fork server
-that outlives the process that asked for it: it watches that process instead
-(:func:`end_with`).
+a test's or a bench's job, the bench's coordinators and its baseline's ``torchrun``. A rank
+forked by :mod:`launcher.local` is the child of a fork server that outlives the process that
+asked for it: it watches that process instead (:func:`end_with`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # looked up here, not in a forked child
 
 
-def end_with_parent(signum: int, parent: int) -> None:
+def _end_with_parent(signum: int, parent: int) -> None:
     """In a child of ``parent``: be sent ``signum`` when the parent ends. A parent already gone
     (the child adopted by another) sends it at once."""
     _prctl(_PR_SET_PDEATHSIG, signum)
@@ -35,7 +35,7 @@ def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None]:
     """A ``preexec_fn`` (it runs in the child between fork and exec) that makes a child of this
     process end with it: SIGKILL by default, SIGTERM for a child that ends children of its own
     on it (``p2p-run``, ``torchrun``)."""
-    return functools.partial(end_with_parent, signum, os.getpid())
+    return functools.partial(_end_with_parent, signum, os.getpid())
 
 
 def end_with(pid: int) -> None:
