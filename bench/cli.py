@@ -145,23 +145,16 @@ def _check_out_dir(args: argparse.Namespace) -> None:
     """
     from bench.errors import UsageError
 
-    flag, folder = next(
-        (
-            (f"--{name.replace('_', '-')}", Path(value))
-            for name in ("out_dir", "out")
-            if (value := getattr(args, name, None))
-        ),
-        (None, None),
-    )
-    if folder is None:
+    if not getattr(args, "out_dir", None):
         return
+    folder = Path(args.out_dir)
     missing = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise UsageError(
-            f"{flag} {folder}: cannot write there ({e.strerror}): give a folder you can write"
+            f"--out-dir {folder}: cannot write there ({e.strerror}): give a folder you can write"
         ) from None
     finally:
         for made in missing:

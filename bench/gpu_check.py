@@ -10,7 +10,7 @@ and capturable AdamW, the host time ``replicate()`` takes against a step, the st
 a forward that mutates buffers, and the peak memory of a rebuild after an exception. On a
 machine without CUDA it says so in one line and exits 0.
 
-    p2p-bench gpu-check --mib 1024 --out runs/gpu-check
+    p2p-bench gpu-check --mib 1024 --out-dir runs/gpu-check
 """
 
 from __future__ import annotations
@@ -56,7 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=MODEL_PRESETS,
         help="example model preset for the replicate() and rebuild checks",
     )
-    p.add_argument("--out", default="runs/gpu-check", help="report folder")
+    p.add_argument(
+        "--out-dir",
+        "--out",
+        dest="out_dir",
+        default="runs/gpu-check",
+        help="report folder, as the other benches' (--out: its earlier name)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         machine=machine(),
         command=" ".join(["p2p-bench", *sys.argv[1:]]),
     )
-    folder = Path(args.out)
+    folder = Path(args.out_dir)
     device = torch.device("cuda", torch.cuda.current_device())
     checks: dict[str, Callable[[], CheckResult]] = {
         "copies": lambda: _copies(args.mib << 20, args.repeats),

@@ -241,7 +241,7 @@ def faked_checks(monkeypatch, replication, kill):
 
 def _args(out, as_json: bool, only: str | None = None) -> argparse.Namespace:
     return argparse.Namespace(
-        mib=1, repeats=1, skip_tests=False, only=only, model="tiny", out=str(out), json=as_json
+        mib=1, repeats=1, skip_tests=False, only=only, model="tiny", out_dir=str(out), json=as_json
     )
 
 
