@@ -5,7 +5,8 @@ Every rank of a job started with ``P2P_JOB_HOOKS=bench.probe:attach`` gets
 - the fault injector (:class:`bench.faults.Injector`) armed with the faults of ``P2P_INJECT``;
 - with ``P2P_PROBE_DIR`` set, a record of its run for the bitwise check: a fingerprint of every
   step's batch (a redone step overwrites its first attempt) and, when the loop ends cleanly, the
-  digest of its final state (parameters, optimizer state, RNG, scheduler), written to
+  digest of its final state (parameters, optimizer state, RNG, scheduler, and what the loop
+  carries beside them: ``job.user_state``, the loader's position, the stateful objects), written to
   ``<dir>/rank<r>.json`` in the format :func:`bench.runner.bitwise_differences` compares.
 
 This is how ``p2p-bench inject --script`` measures a training script it knows nothing about:
@@ -80,7 +81,7 @@ class Recorder:
         if point == "step_begin":
             self.steps[info["step"]] = {"batch": fingerprint(info.get("batch"))}
         elif point == "finished":
-            self._write(info["step"], info["state"].digest())
+            self._write(info["step"], final_digest(info["state"], info["extras"]))
 
     def _write(self, step: int, digest: str) -> None:
         import torch.distributed as dist
@@ -93,6 +94,16 @@ class Recorder:
             step=step,
             digest=digest,
         )
+
+
+def final_digest(state: Any, extras: Mapping[str, Any]) -> str:
+    """The digest of a rank's final state (:meth:`p2p_state.state.TrainingState.digest`) and of
+    the extras its snapshots carry (``user_state``, the loader's state, the stateful objects')."""
+    from p2p_state.state import pack_small
+
+    h = hashlib.sha256(state.digest().encode())
+    h.update(pack_small(dict(extras)))
+    return h.hexdigest()
 
 
 def write_results(

@@ -69,11 +69,27 @@ def _encode_default(obj: Any) -> Any:
     )
 
 
+def pack_small(value: Any) -> bytes:
+    """``value`` as the non-tensor state stores it (msgpack; 0-dim tensors and NumPy scalars
+    kept with their type).
+
+    Raises:
+        TypeError: ``value`` holds something else (a tensor of any size, an object).
+    """
+    data: bytes = msgpack.packb(value, use_bin_type=True, default=_encode_default)
+    return data
+
+
 def _decode_ext(code: int, data: bytes) -> Any:
     if code == _TENSOR_EXT:
         dtype, value = msgpack.unpackb(data)
         return torch.tensor(value, dtype=dtype_from_name(dtype))
     return msgpack.ExtType(code, data)
+
+
+def unpack_small(data: bytes) -> Any:
+    """What :func:`pack_small` packed (tuples come back as lists)."""
+    return msgpack.unpackb(data, raw=False, ext_hook=_decode_ext, strict_map_key=False)
 
 
 def _set_rng(name: str, state: torch.Tensor) -> None:
@@ -390,7 +406,7 @@ class TrainingState:
             h.update(t.cpu().numpy().tobytes())
         blob = msgpack.unpackb(self._blob(0, {}), raw=False, strict_map_key=False)
         for key in ("scheduler", "groups", "optim_scalars", "optimizer_fresh"):
-            h.update(msgpack.packb(blob[key], use_bin_type=True, default=_encode_default))
+            h.update(pack_small(blob[key]))
         return h.hexdigest()
 
     # -- the non-tensor state ------------------------------------------------------------------
@@ -414,7 +430,7 @@ class TrainingState:
             "optimizer_fresh": self.optimizer_fresh,
             "np_random": [np_state[0], np_state[1].tobytes(), *np_state[2:]],
         }
-        data: bytes = msgpack.packb(state, use_bin_type=True, default=_encode_default)
+        data = pack_small(state)
         if len(data) + _BLOB_LEN_BYTES > self.layout.blob_capacity:
             raise ValueError(
                 f"the non-tensor state needs {len(data) + _BLOB_LEN_BYTES} bytes but "
@@ -527,9 +543,7 @@ class TrainingState:
         if not 0 < n <= self.layout.blob_capacity - _BLOB_LEN_BYTES:
             raise ValueError(f"corrupt snapshot: blob length {n}")
         raw = region[_BLOB_LEN_BYTES : _BLOB_LEN_BYTES + n].numpy().tobytes()
-        blob: dict[str, Any] = msgpack.unpackb(
-            raw, raw=False, ext_hook=_decode_ext, strict_map_key=False
-        )
+        blob: dict[str, Any] = unpack_small(raw)
         return blob
 
     def restore(self, buffer: torch.Tensor) -> tuple[int, dict[str, Any]]:
@@ -587,7 +601,7 @@ class TrainingState:
     def load_small_state(self, data: bytes) -> tuple[int, dict[str, Any]]:
         """Apply :meth:`small_state`; returns ``(step, extras)``."""
         doc = msgpack.unpackb(data, raw=False)
-        blob = msgpack.unpackb(doc["blob"], raw=False, ext_hook=_decode_ext, strict_map_key=False)
+        blob = unpack_small(doc["blob"])
         for name, raw in doc["rng"].items():
             if name == "rng/cpu" or self._cuda_rng:
                 _set_rng(name, torch.frombuffer(bytearray(raw), dtype=torch.uint8))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -172,6 +173,7 @@ def protect(
     loader: Any = None,
     config: Any = None,
     max_steps: int | None = None,
+    stateful: Mapping[str, Any] | None = None,
 ) -> _EntryPoint:
     """Wrap a training loop so a lost rank is rebuilt from its peers in place.
 
@@ -185,6 +187,10 @@ def protect(
         config: A ``recovery.config.RecoveryConfig``. By default it follows p2p-run's
             ``--replicas``, ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``.
         max_steps: The last global step (``None``: until the loop is left).
+        stateful: Objects the loop keeps beside the model, by name, each with ``state_dict()``
+            and ``load_state_dict()`` and a small state (numbers, strings, lists, dicts): e.g.
+            ``{"scaler": scaler}`` for a ``torch.amp.GradScaler``. Carried with every snapshot
+            and checkpoint and put back with them on every rank.
 
     Returns:
         A context manager whose ``with`` gives the :class:`recovery.job.ProtectedJob` (iterate
@@ -199,7 +205,12 @@ def protect(
         )
     return _EntryPoint(
         ProtectedJob(
-            _session, build, loader=loader, config=config or config_from_env(), max_steps=max_steps
+            _session,
+            build,
+            loader=loader,
+            config=config or config_from_env(),
+            max_steps=max_steps,
+            stateful=stateful,
         )
     )
 

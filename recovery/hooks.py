@@ -7,7 +7,8 @@ Fault injection (``p2p-bench inject``), probes and progress reporting attach her
 - ``step_begin`` (``step``, ``batch``): the iterator is about to yield a step;
 - ``replication_chunk`` (``step``, ``round``, ``num_rounds``; on the replication worker thread);
 - ``recovery_phase`` (``phase``, ``generation``): a recovery phase begins;
-- ``finished`` (``step``, ``state``): the loop has ended cleanly.
+- ``finished`` (``step``, ``state``, ``extras``): the loop has ended cleanly; ``extras`` is what
+  the snapshots carry beside ``state`` (``user_state``, the loader's and the stateful objects').
 
 Tools that run a script they did not write (``p2p-bench inject --script``) attach their hooks
 through ``P2P_JOB_HOOKS``: comma-separated ``module:function`` names, each called with the job

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery import phases
+from recovery import stateful as stateful_objects
 from recovery.checkpoint import ColdCheckpointer
 from recovery.comms import Interrupted
 from recovery.config import RecoveryConfig
@@ -66,6 +67,8 @@ class ProtectedJob:
             ``next_batch``), or ``None``: the iterator then yields ``(step, None)``.
         config: Replication, checkpoint and recovery settings.
         max_steps: Stop after this global step (``None``: until the loop is left).
+        stateful: Objects the loop keeps beside the model, by name (e.g. a GradScaler):
+            carried with every snapshot and put back with it (:mod:`recovery.stateful`).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class ProtectedJob:
         loader: Any = None,
         config: RecoveryConfig | None = None,
         max_steps: int | None = None,
+        stateful: Mapping[str, Any] | None = None,
     ) -> None:
         self._session = session
         self.loader = loader
@@ -83,6 +87,8 @@ class ProtectedJob:
         self.max_steps = max_steps
         self.user_state: dict[str, Any] = {}
         """Small msgpack-able values carried with every snapshot and restored with it."""
+        self.stateful = stateful_objects.checked(stateful)
+        """The objects given as ``stateful``, by name."""
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -135,8 +141,9 @@ class ProtectedJob:
         self._hooks.add(hook)
 
     def __enter__(self) -> ProtectedJob:
-        self._rebuild.remember_initial(self.loader)
         try:
+            stateful_objects.check_small(self.stateful)
+            self._rebuild.remember_initial(self._extras())
             attach = hooks_from_env()  # a name that cannot load is refused before any build
             info = self._session.info
             if info is not None and info.generation > 1:
@@ -165,7 +172,9 @@ class ProtectedJob:
         try:
             # The last round's commit is a barrier: every rank completed every step.
             if exc_type is None and self._copies.finish():
-                self._hooks.call("finished", step=self.step_done, state=self.state)
+                self._hooks.call(
+                    "finished", step=self.step_done, state=self.state, extras=self._extras()
+                )
                 self._copies.wait_checkpoint()
                 if self._session.client is not None:
                     self._session.client.report_done()
@@ -218,10 +227,14 @@ class ProtectedJob:
         extras: dict[str, Any] = {"user": self.user_state}
         if self.loader is not None:
             extras["loader"] = self.loader.state_dict()
+        if self.stateful:
+            extras["stateful"] = stateful_objects.capture(self.stateful)
         return extras
 
     def _apply_extras(self, extras: dict[str, Any]) -> None:
         self.user_state = dict(extras.get("user", {}))
+        if self.stateful:
+            stateful_objects.restore(self.stateful, extras.get("stateful", {}))
         if self.loader is not None:
             if "loader" in extras:
                 self.loader.load_state_dict(extras["loader"])

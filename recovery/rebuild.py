@@ -11,6 +11,7 @@ steps need across generations; the job calls them in the order of ``docs/recover
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 from collections.abc import Callable, Sequence
@@ -209,12 +210,12 @@ class Rebuilder:
         self._initial_rng: dict[str, Any] = {}
         self._initial_extras: dict[str, Any] = {"user": {}}
 
-    def remember_initial(self, loader: Any) -> None:
-        """Keep the initial state's RNG and data position (``protect()`` begins): a job whose
-        steps were never replicated starts again from there (:attr:`RestoreSource.INITIAL`)."""
+    def remember_initial(self, extras: dict[str, Any]) -> None:
+        """Keep the initial state's RNG and extras (data position, stateful objects) as
+        ``protect()`` begins: a job whose steps were never replicated starts again from there
+        (:attr:`RestoreSource.INITIAL`)."""
         self._initial_rng = capture_rng()
-        if loader is not None:
-            self._initial_extras = {"user": {}, "loader": loader.state_dict()}
+        self._initial_extras = copy.deepcopy(extras)
 
     def check_fresh_start(self) -> None:
         """Refuse to start a job afresh over another run's checkpoints.

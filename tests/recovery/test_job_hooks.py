@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.probe import final_digest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "user_train.py"
 
 
@@ -61,6 +63,21 @@ def test_the_probe_records_every_batch_and_the_final_digest(tmp_path):
     assert all(r.returncode == 0 for r in _run_alone(env, "--steps", "3", "--lr", "0.5"))
     other = json.loads((tmp_path / "rank0.json").read_text())
     assert other["steps"] == record[0]["steps"] and other["digest"] != record[0]["digest"]
+
+
+def test_the_final_digest_covers_what_the_loop_carries_beside_the_state():
+    class State:
+        def digest(self) -> str:
+            return "same tensors, RNG and schedule"
+
+    extras = {"user": {"samples_seen": 80}, "stateful": {"scaler": {"scale": 65536.0}}}
+    assert final_digest(State(), extras) == final_digest(State(), json.loads(json.dumps(extras)))
+    for changed in (
+        {**extras, "user": {"samples_seen": 88}},
+        {**extras, "stateful": {"scaler": {"scale": 32768.0}}},
+        {**extras, "loader": {"position": 3}},
+    ):
+        assert final_digest(State(), changed) != final_digest(State(), extras), changed
 
 
 def test_a_hook_that_cannot_be_loaded_is_one_clear_line():

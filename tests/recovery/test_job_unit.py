@@ -15,6 +15,7 @@ import time
 from unittest import mock
 
 import pytest
+import torch
 
 from launcher.client import ControlClient
 from recovery import api
@@ -241,6 +242,23 @@ def test_a_configuration_error_at_the_start_ends_the_whole_job(session):
         job.__enter__()
     session.report_failure.assert_called_once_with("k=3 needs 4 ranks", fatal=True)
     job._shutdown.assert_called()
+
+
+def test_a_stateful_object_a_snapshot_cannot_carry_ends_the_job_before_it_starts(session):
+    class Ema:
+        def state_dict(self) -> dict:
+            return {"shadow": torch.zeros(3)}
+
+        def load_state_dict(self, state: dict) -> None:
+            raise AssertionError("never loaded")
+
+    job = ProtectedJob(session, lambda: None, max_steps=4, stateful={"ema": Ema()})
+    job._fresh_start = mock.Mock(name="fresh_start")
+    with pytest.raises(ConfigurationError):
+        job.__enter__()
+    (message,), kw = session.report_failure.call_args
+    assert "stateful={'ema': ...}" in message and kw == {"fatal": True}
+    job._fresh_start.assert_not_called()
 
 
 def test_a_standalone_job_lets_every_error_stand(session):

@@ -14,10 +14,13 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
   generator a different number of times in a spare, and ``reshard_after_forward=False``.
 - ``mlp_scheduled.py``: a loader of its own augmenting with ``random``/NumPy, dropout, a
   persistent buffer, SGD with momentum under a warm-up-then-cosine LR schedule, clipping, a
-  value in ``job.user_state``. Run with a checkpoint every 5 steps and faults every 2-3 steps,
-  ending with a rank and every holder of its shard killed together: the job resumes from a
-  complete checkpoint. (AdamW is the optimizer of the example job and of ``user_train.py``,
-  which the other recovery tests run under faults.)
+  value in ``job.user_state``, fp16 autocast with a ``GradScaler`` given as ``stateful`` (its
+  scale moves all through the run and overflowing steps are skipped: without the scaler's
+  state carried, the run is not bitwise and the optimizer-phase fault of step 8 never fires).
+  Run with a checkpoint every 5 steps and faults every 2-3 steps, ending with a rank and every
+  holder of its shard killed together: the job resumes from a complete checkpoint. (AdamW is
+  the optimizer of the example job and of ``user_train.py``, which the other recovery tests
+  run under faults.)
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def test_checkpoints_complete_under_frequent_faults_and_serve_a_total_loss(tmp_p
         "5",
         "--checkpoint-dir",
         str(ckpt),
-        script_args=("--optimizer", "sgd"),
+        script_args=("--optimizer", "sgd", "--amp", "fp16"),
     )
     from_checkpoint = [e for e in done if e["restored_from"] == "checkpoint"]
     assert from_checkpoint, "the loss of every copy was not served from a checkpoint"

@@ -5,6 +5,9 @@ NumPy's global generator); the model has dropout on the global torch generator a
 buffer it updates while training (a count of batches); the optimizer is AdamW or SGD
 with momentum (``--optimizer``) under a warm-up-then-decay LR schedule; a count of samples seen,
 which sets the clipping threshold, is kept in ``job.user_state`` (carried with every snapshot).
+With ``--amp fp16`` the forward runs under fp16 autocast with a ``torch.amp.GradScaler``
+given to ``protect()`` as ``stateful``: its scale starts high and grows every 3 steps, so steps
+overflow and are skipped, and the scale moves all through the run.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--amp", choices=("none", "fp16"), default="none")
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
@@ -94,16 +98,24 @@ def main() -> None:
     random.seed(rank)
     np.random.seed(rank)
     loader = Loader(dist.get_world_size(), rank)
-    with p2p_state.protect(lambda: build(args), loader=loader, max_steps=args.steps) as job:
+    fp16 = args.amp == "fp16"
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3, enabled=fp16)
+    protected = p2p_state.protect(
+        lambda: build(args), loader=loader, max_steps=args.steps, stateful={"scaler": scaler}
+    )
+    with protected as job:
         for _step, batch in job:
             with job.step():
                 seen = job.user_state.get("samples_seen", 0)
-                loss = (job.model(batch) - batch).pow(2).mean()
-                loss.backward()
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    loss = (job.model(batch) - batch).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.unscale_(job.optimizer)
                 # A clipping curriculum: tight for the first samples, looser afterwards.
                 max_norm = 0.1 if seen < 40 else 1.0
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=max_norm)
-                job.optimizer.step()
+                scaler.step(job.optimizer)
+                scaler.update()
                 job.scheduler.step()
                 job.optimizer.zero_grad()
                 job.user_state["samples_seen"] = seen + batch.shape[0]
