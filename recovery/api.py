@@ -233,7 +233,11 @@ class _EntryPoint:
             raise
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.job.__exit__(exc_type, exc, tb)
+        try:
+            self.job.__exit__(exc_type, exc, tb)
+        except Exception as e:
+            _exit_if_ending(e)  # a fault outside the steps' guards ends this rank in one line
+            raise
         if isinstance(exc, Exception):
             _exit_if_ending(exc)
 

@@ -50,6 +50,7 @@ from recovery.records import CAUSE_JOINED, RecoveryLog, RecoveryRecord
 from recovery.replication import JobReplication
 from recovery.session import STOP_SIGNAL, CoordinatorsLost, JobEnded, Session
 from recovery.stop import no_stop_checkpoint, stop_on_request, stop_without_coordinator
+from recovery.unguarded import FIX, UnguardedCollectives
 from recovery.warmup import Build
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class ProtectedJob:
         self._rebuild = Rebuilder(session, self.config, build, self._copies, self._hooks)
         self._current: int | None = None
         """The step the iterator yielded and whose guard has not ended yet."""
+        self._unguarded = UnguardedCollectives()
 
     # -- public --------------------------------------------------------------------------------
 
@@ -169,6 +171,8 @@ class ProtectedJob:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # A fault that reaches here was raised outside every step's guard: no recovery from it.
+        outside = isinstance(exc, Exception) and self._decide(exc) is Action.RECOVER
         try:
             # The last round's commit is a barrier: every rank completed every step.
             if exc_type is None and self._copies.finish():
@@ -180,6 +184,11 @@ class ProtectedJob:
                     self._session.client.report_done()
         finally:
             self._shutdown()
+        if outside:
+            raise RecoveryFailed(
+                f"a fault outside `with job.step():` after step {self.step_done} ({short(exc)}): "
+                f"the loop cannot be resumed from there, so this rank leaves; {FIX}"
+            ) from None
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         return self
@@ -190,11 +199,13 @@ class ProtectedJob:
                 f"step {self._current} was not run inside `with job.step():`; wrap each step's "
                 "body in it so a fault can be turned into a recovery"
             )
+        self._unguarded.guarded(self.step_done)
         if self._session.interrupted:
             self._recover(Interrupted("a new generation arrived between steps"))
         step = self.step_done + 1
         if self.max_steps is not None and step > self.max_steps:
             raise StopIteration
+        self._unguarded.unguarded()  # the loader's own collectives are outside too
         batch = self.loader.next_batch() if self.loader is not None else None
         self._current = step
         self._hooks.call("step_begin", step=step, batch=batch)
@@ -206,6 +217,7 @@ class ProtectedJob:
         if self._current is None:
             raise RuntimeError("job.step() belongs inside `for step, batch in job:`")
         step = self._current
+        self._unguarded.guarded(self.step_done)
         fault = None
         try:
             yield
@@ -220,6 +232,7 @@ class ProtectedJob:
             self._current = None
         if fault is not None:
             self._recover(fault)
+        self._unguarded.unguarded()
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -65,6 +65,17 @@ def test_the_probe_records_every_batch_and_the_final_digest(tmp_path):
     assert other["steps"] == record[0]["steps"] and other["digest"] != record[0]["digest"]
 
 
+def test_a_loop_logging_with_a_collective_after_its_guard_is_warned_of_once():
+    warning = "collectives ran after step 1 outside `with job.step():`"
+    inside = _run_alone({}, "--steps", "3", "--log-every", "1")
+    assert all(r.returncode == 0 for r in inside), inside
+    assert not any("outside `with job.step():`" in r.stderr for r in inside), inside[0].stderr
+    outside = _run_alone({}, "--steps", "3", "--log-every", "1", "--log-outside")
+    assert all(r.returncode == 0 for r in outside), outside
+    assert outside[0].stderr.count(warning) == 1, outside[0].stderr  # rank 0's, once
+    assert "outside `with job.step():`" not in outside[1].stderr
+
+
 def test_the_final_digest_covers_what_the_loop_carries_beside_the_state():
     class State:
         def digest(self) -> str:

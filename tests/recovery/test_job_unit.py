@@ -261,6 +261,30 @@ def test_a_stateful_object_a_snapshot_cannot_carry_ends_the_job_before_it_starts
     job._fresh_start.assert_not_called()
 
 
+def test_a_fault_outside_the_steps_guards_ends_this_rank_in_one_line(session, caplog):
+    # A logging all_reduce after the guard met a lost peer: the loop cannot be resumed.
+    job, _ = _job(session)
+    with pytest.raises(SystemExit) as e, api._EntryPoint(job):
+        for step, _ in job:
+            with job.step():
+                pass
+            if step == 2:
+                raise RuntimeError(GLOO_PEER_CLOSED)
+    assert e.value.code == 1
+    assert "outside `with job.step():` after step 2" in caplog.text
+    assert "inside the step's `with job.step():`" in caplog.text
+    session.next_generation.assert_not_called()
+    job._shutdown.assert_called()
+
+    # The user's own error outside a guard stands, as inside one.
+    job, _ = _job(session)
+    with pytest.raises(ValueError, match="bad metric"), api._EntryPoint(job):
+        for _step, _ in job:
+            with job.step():
+                pass
+            raise ValueError("bad metric")
+
+
 def test_a_standalone_job_lets_every_error_stand(session):
     session.standalone = True
     job, _ = _job(session)

@@ -28,6 +28,7 @@ from recovery.comms import (
 )
 from recovery.faults import Action
 from recovery.job import ProtectedJob
+from recovery.unguarded import UnguardedCollectives
 
 HANG_DEADLINE_S = 30.0
 
@@ -231,6 +232,8 @@ def test_a_failed_step_s_frames_are_released_before_recovery() -> None:
 
     job = types.SimpleNamespace(
         _current=7,
+        step_done=6,
+        _unguarded=UnguardedCollectives(),
         _session=types.SimpleNamespace(interrupted=False),
         _finish_step=lambda step: None,
         _decide=lambda e: Action.RECOVER,

@@ -65,6 +65,9 @@ def _inject(tmp_path: Path, capsys, script: str, steps: int, faults, *flags, scr
     assert code == 0, (section.get("error"), section.get("differences"))
     assert summary["bitwise_equal"] is True, section["differences"]
     done = [e for e in read_events(Path(section["run_dir"])) if e["event"] == "recovery_done"]
+    # Every collective of these loops is inside their guards: the engine must not say otherwise.
+    logs = "".join(log.read_text() for log in (tmp_path / "work").rglob("p2p-run-*.log"))
+    assert logs and "outside `with job.step():`" not in logs
     return section, done
 
 
