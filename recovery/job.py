@@ -48,6 +48,7 @@ from recovery.hooks import Hook, JobHooks, hooks_from_env
 from recovery.rebuild import Built, Rebuilder
 from recovery.records import CAUSE_JOINED, RecoveryLog, RecoveryRecord
 from recovery.replication import JobReplication
+from recovery.retired import retire
 from recovery.session import STOP_SIGNAL, CoordinatorsLost, JobEnded, Session
 from recovery.stop import no_stop_checkpoint, stop_on_request, stop_without_coordinator
 from recovery.unguarded import FIX, UnguardedCollectives
@@ -225,6 +226,8 @@ class ProtectedJob:
                 raise Interrupted("a new generation arrived during the step")
             self._finish_step(step)
         except Exception as e:
+            if isinstance(e, ConfigurationError):
+                self._end_misconfigured(e)  # every rank makes the mistake: the job ends with it
             if self._decide(e) is not Action.RECOVER:
                 raise
             fault = without_frames(e)  # they hold the failed step's GPU memory
@@ -408,6 +411,8 @@ class ProtectedJob:
         source = self._rebuild.source(census, info.world_size)
         with self._hooks.phase(rec, phases.BUILD):
             replacing = self.model is not None
+            if replacing:
+                retire(self.model, self.optimizer, self.scheduler, info.generation)
             self.model = self.optimizer = self.scheduler = self.state = None
             state = self._take(self._rebuild.build(source, replacing=replacing))
         restored = self._rebuild.restore(source, census, state, info, rec)

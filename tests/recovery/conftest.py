@@ -1,10 +1,12 @@
-"""Run the example training job under p2p-run with faults, and compare it with a fault-free run."""
+"""Run the example training job under p2p-run with faults, and compare it with a fault-free run;
+a gloo world of one in this process for the engine's pieces that need a real group."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from bench.faults import parse_fault
 from bench.runner import JobOutcome, bitwise_differences, run_example
@@ -65,3 +67,11 @@ def reference(tmp_path_factory, data_cache) -> JobOutcome:
     assert outcome.codes == [0, 0], outcome.job.output(0)[-3000:]
     assert all(len(r["steps"]) == NUM_STEPS for r in outcome.results.values())
     return outcome
+
+
+@pytest.fixture
+def world_of_one(tmp_path, leave_no_group) -> dist.ProcessGroup:
+    """This process as the one rank of a gloo world (destroyed after the test)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.distributed_c10d._get_default_group()

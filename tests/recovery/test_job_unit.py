@@ -285,6 +285,20 @@ def test_a_fault_outside_the_steps_guards_ends_this_rank_in_one_line(session, ca
             raise ValueError("bad metric")
 
 
+def test_a_mistake_found_in_a_step_ends_the_whole_job_with_its_message(session):
+    # e.g. a loop training with the model a recovery replaced (recovery/retired.py).
+    job, _ = _job(session)
+    with pytest.raises(SystemExit) as e, api._EntryPoint(job):
+        for step, _ in job:
+            with job.step():
+                if step == 3:
+                    raise ConfigurationError("train through job.model")
+    assert e.value.code == 2
+    session.report_failure.assert_called_once_with("train through job.model", fatal=True)
+    session.next_generation.assert_not_called()
+    job._shutdown.assert_called()
+
+
 def test_a_standalone_job_lets_every_error_stand(session):
     session.standalone = True
     job, _ = _job(session)

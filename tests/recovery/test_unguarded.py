@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from recovery.unguarded import UnguardedCollectives
-
-
-@pytest.fixture
-def world_of_one(tmp_path, leave_no_group):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    return dist.distributed_c10d._get_default_group()
 
 
 def test_a_collective_outside_a_guard_is_warned_of_once_on_rank_0(world_of_one, caplog):
