@@ -182,7 +182,8 @@ def protect(
             the model sharded with ``fully_shard``. Called at the start and again after every
             recovery, on the new process groups (train through ``job.model``,
             ``job.optimizer`` and ``job.scheduler``, which change after a recovery).
-        loader: A resumable loader such as ``dataload.loader.ResumableLoader`` (its position is
+        loader: A resumable loader such as ``dataload.loader.ResumableLoader`` or, over a
+            dataset of your own, ``dataload.loader.DatasetLoader`` (its position is
             carried with every snapshot); ``None`` yields ``(step, None)``.
         config: A ``recovery.config.RecoveryConfig``. By default it follows p2p-run's
             ``--replicas``, ``--checkpoint-dir``, ``--checkpoint-every`` and ``--resume``.

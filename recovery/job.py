@@ -56,6 +56,29 @@ from recovery.warmup import Build
 
 logger = logging.getLogger(__name__)
 
+#: What the engine calls on a loader: its batches, its position, and its share after a resize.
+LOADER_METHODS = ("next_batch", "state_dict", "load_state_dict", "set_world")
+
+
+def checked_loader(loader: Any) -> Any:
+    """``protect()``'s ``loader``, checked.
+
+    Raises:
+        TypeError: it lacks a method of :data:`LOADER_METHODS` (a torch ``DataLoader`` has
+            none of them); the message names the way out.
+    """
+    missing = [m for m in LOADER_METHODS if not callable(getattr(loader, m, None))]
+    if loader is None or not missing:
+        return loader
+    dataset = " (such as your DataLoader's .dataset, with its collate_fn)"
+    raise TypeError(
+        f"protect(loader=...): a {type(loader).__name__} has no {', '.join(missing)}, which the "
+        "engine rewinds the data with after a recovery; give "
+        "dataload.loader.DatasetLoader(dataset, global_batch=..., world_size=..., rank=...) for "
+        f"a map-style dataset{dataset if hasattr(loader, 'dataset') else ''}, or a loader of "
+        "your own with next_batch(), state_dict(), load_state_dict() and set_world()"
+    )
+
 
 class ProtectedJob:
     """A training loop that survives lost ranks; see the module docstring.
@@ -84,7 +107,7 @@ class ProtectedJob:
         stateful: Mapping[str, Any] | None = None,
     ) -> None:
         self._session = session
-        self.loader = loader
+        self.loader = checked_loader(loader)
         self.config = config or RecoveryConfig()
         self.max_steps = max_steps
         self.user_state: dict[str, Any] = {}

@@ -299,6 +299,15 @@ def test_a_mistake_found_in_a_step_ends_the_whole_job_with_its_message(session):
     job._shutdown.assert_called()
 
 
+def test_a_loader_the_engine_cannot_rewind_is_refused_with_the_way_out(session):
+    dataloader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    with pytest.raises(TypeError) as e:
+        ProtectedJob(session, lambda: None, loader=dataloader)
+    message = str(e.value)
+    assert "a DataLoader has no next_batch, state_dict, load_state_dict, set_world" in message
+    assert "DatasetLoader(dataset, global_batch=" in message and "DataLoader's .dataset" in message
+
+
 def test_a_standalone_job_lets_every_error_stand(session):
     session.standalone = True
     job, _ = _job(session)

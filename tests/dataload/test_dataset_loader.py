@@ -1,0 +1,97 @@
+"""``DatasetLoader``: a map-style dataset of the user's, with the cache loader's exactly-once order.
+
+Under faults, bitwise, with a dataset that augments from the global generator:
+``tests/recovery/test_user_scripts.py``'s ``dataset_classifier.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from dataload.cache import CacheConfig, open_source
+from dataload.loader import DatasetLoader, ResumableLoader
+from dataload.sources import TokenFileSource
+
+
+class Labelled(Dataset):
+    """Sample ``i``: a feature row that encodes ``i`` and its label, as a user's dataset would."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3,), float(i)), i % 5
+
+
+def _ids(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
+    features, labels = batch
+    assert torch.equal(labels, features[:, 0].long() % 5)  # collated as DataLoader does
+    return features[:, 0].long().tolist()
+
+
+def test_batches_are_collated_as_a_dataloader_does_in_the_cache_loaders_order(tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(8 * 30, dtype=np.int32))
+    cache = open_source(
+        CacheConfig(directory=str(tmp_path / "c"), name="t"), TokenFileSource(str(tokens), 8)
+    )
+    from_cache = ResumableLoader(cache, global_batch=6, world_size=2, rank=1, seed=3)
+    ours = DatasetLoader(Labelled(30), global_batch=6, world_size=2, rank=1, seed=3)
+    for _ in range(7):  # across an epoch's end (30 samples, 6 a step)
+        expected = from_cache.next_batch()[:, 0] // 8
+        assert _ids(ours.next_batch()) == expected.tolist()
+        assert ours.last_ids.tolist() == expected.tolist()
+    from_cache.close()
+
+    features, labels = DatasetLoader(Labelled(4), global_batch=2, world_size=1, rank=0).next_batch()
+    reference_features, reference_labels = next(iter(DataLoader(Labelled(4), batch_size=2)))
+    assert features.dtype == reference_features.dtype and features.shape == (2, 3)
+    assert labels.dtype == reference_labels.dtype
+
+
+def test_a_replacement_and_a_shrink_continue_where_the_position_was():
+    loaders = [DatasetLoader(Labelled(40), global_batch=6, world_size=3, rank=r) for r in range(3)]
+    seen = [i for _ in range(3) for ld in loaders for i in _ids(ld.next_batch())]
+    saved = loaders[0].state_dict()
+    after = [i for ld in loaders for i in _ids(ld.next_batch())]
+
+    fresh = DatasetLoader(Labelled(40), global_batch=6, world_size=3, rank=0)
+    fresh.load_state_dict(saved)
+    assert _ids(fresh.next_batch()) == after[:2]
+
+    two = [DatasetLoader(Labelled(40), global_batch=6, world_size=3, rank=r) for r in range(2)]
+    for rank, ld in enumerate(two):
+        ld.load_state_dict(saved)
+        ld.set_world(2, rank)
+    assert [i for ld in two for i in _ids(ld.next_batch())] == after
+    # Every sample once in the epoch so far, through the shrink.
+    rest = [i for _ in range(2) for ld in two for i in _ids(ld.next_batch())]
+    epoch = seen + after + rest
+    assert len(epoch) == len(set(epoch)) == 36
+
+
+def test_a_collate_fn_of_the_users_makes_the_batch():
+    loader = DatasetLoader(
+        Labelled(10), global_batch=4, world_size=2, rank=0, collate_fn=lambda samples: samples
+    )
+    batch = loader.next_batch()
+    assert isinstance(batch, list) and len(batch) == 2 and batch[0][0].shape == (3,)
+
+
+def test_what_cannot_be_rewound_is_refused_with_the_reason():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(
+        TypeError, match=r"a Stream has no __len__ \(an iterable dataset cannot be rewound"
+    ):
+        DatasetLoader(Stream(), global_batch=2, world_size=1, rank=0)
+    with pytest.raises(ValueError, match="no samples"):
+        DatasetLoader([], global_batch=2, world_size=1, rank=0)

@@ -1,0 +1,80 @@
+"""An FSDP2 classifier fed from a dataset of its own through ``dataload.loader.DatasetLoader``.
+
+The dataset is a ``torch.utils.data.Dataset`` as people write them: ``__getitem__`` returns a
+``(features, label)`` pair and augments it with noise from torch's global generator and a flip
+from Python's ``random``; the loader collates pairs as a ``DataLoader`` does. 100 samples in
+global batches of 16, so an epoch ends within the run and the next one is drawn in another
+order. Cross-entropy with label smoothing, AdamW, gradient clipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import Dataset
+
+import p2p_state
+from dataload.loader import DatasetLoader
+
+FEATURES, CLASSES = 24, 6
+
+
+class Points(Dataset):
+    """Sample ``i``: a point near its class's centre, jittered each time it is read."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.centres = torch.randn(CLASSES, FEATURES, generator=g) * 2
+        self.labels = torch.randint(0, CLASSES, (n,), generator=g)
+        self.points = self.centres[self.labels] + torch.randn(n, FEATURES, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.points[i] + 0.1 * torch.randn(FEATURES)  # augmentation: the global generator
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x, int(self.labels[i])
+
+
+def build(lr: float):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 64),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(64, CLASSES),
+    )
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    p2p_state.init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    random.seed(100 + rank)
+    loader = DatasetLoader(Points(100), global_batch=16, world_size=world, rank=rank, seed=7)
+    with p2p_state.protect(lambda: build(args.lr), loader=loader, max_steps=args.steps) as job:
+        for _step, (x, y) in job:
+            with job.step():
+                loss = F.cross_entropy(job.model(x), y, label_smoothing=0.1)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=1.0)
+                job.optimizer.step()
+                job.optimizer.zero_grad()
+
+
+if __name__ == "__main__":
+    main()
