@@ -21,10 +21,11 @@ A fault is written as ``kind:target@when[:phase=...]``:
                                           (``phase``: a recovery phase, default ``plan``);
                                           recovery K is the one into generation K + 1, so a
                                           recovery a fault restarts is the next one
-``bitflip:rank=1@step=3``                 flip one bit of rank 1's parameters (silent data
-                                          corruption: nothing crashes, the state diverges, and
-                                          only the bitwise check against a fault-free run
-                                          catches it)
+``bitflip:rank=1@step=3``                 flip one bit of rank 1's parameters, the top bit of
+                                          the first value's mantissa, so rounding can never
+                                          absorb it (silent data corruption: nothing crashes,
+                                          the state diverges, and only the bitwise check
+                                          against a fault-free run catches it)
 ``kill-coordinator@step=30``              SIGKILL the active coordinator at step 30 (its standby
                                           takes over; training does not stop)
 ``hang-coordinator@step=30``              SIGSTOP the active coordinator at step 30 (it is
@@ -50,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -221,6 +223,18 @@ def _coordinators(run_dir: Path) -> list[dict[str, Any]]:
     return found
 
 
+def flip_top_mantissa_bit(t: Any) -> None:
+    """Flip the top bit of the mantissa of ``t``'s first value, in place: the value changes by
+    a quarter to a half of itself, which no later rounding absorbs (the lowest bit's one unit
+    in the last place can vanish in the next multiplication)."""
+    import torch
+
+    mantissa_bits = round(-math.log2(torch.finfo(t.dtype).eps))
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    with torch.no_grad():
+        t.reshape(-1)[:1].view(as_int).bitwise_xor_(1 << (mantissa_bits - 1))
+
+
 class Injector:
     """Fires this rank's share of ``faults`` from the protected job's hooks.
 
@@ -339,12 +353,8 @@ class Injector:
         )
         logger.warning("injecting %s on rank %d", fault, self._rank())
         if fault.kind == "bitflip":
-            import torch
-
             param = next(iter(self._job.model.parameters()))
-            local = getattr(param, "_local_tensor", param)
-            with torch.no_grad():
-                local.reshape(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+            flip_top_mantissa_bit(getattr(param, "_local_tensor", param))
         elif fault.kind == "kill-node":
             agent = int(os.environ.get(ENV_AGENT_PID, "0"))
             if agent <= 1 or os.getppid() != agent:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from bench.faults import Injector, parse_fault
+import pytest
+import torch
+
+from bench.faults import Injector, flip_top_mantissa_bit, parse_fault
 
 
 class _Job:
@@ -54,3 +57,16 @@ def test_step_faults_fire_at_their_step_and_phase_only(tmp_path):
     assert fired == []
     hook("step_begin", step=3)
     assert fired == ["kill:rank=0@step=3:phase=forward"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_bitflip_flips_one_bit_that_no_rounding_can_absorb(dtype):
+    t = torch.tensor([0.3, -1.7, 2.0], dtype=dtype)
+    original = t.clone()
+    flip_top_mantissa_bit(t)
+    assert torch.equal(t[1:], original[1:])
+    ratio = (t[0] / original[0]).item()
+    assert 1.25 <= ratio <= 1.5 or 0.5 <= ratio <= 0.75  # a quarter to a half of itself
+    # One bit: the same flip again gives the original bits back.
+    flip_top_mantissa_bit(t)
+    assert torch.equal(t.view(torch.uint8), original.view(torch.uint8))

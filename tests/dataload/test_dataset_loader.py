@@ -1,7 +1,7 @@
 """``DatasetLoader``: a map-style dataset of the user's, with the cache loader's exactly-once order.
 
-Under faults, bitwise, with a dataset that augments from the global generator:
-``tests/recovery/test_user_scripts.py``'s ``dataset_classifier.py``.
+Under faults, bitwise, with a dataset that augments from the global generators:
+``tests/test_bench_cli.py``'s runs of ``tests/scripts/user_train.py``.
 """
 
 from __future__ import annotations

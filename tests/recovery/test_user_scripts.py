@@ -21,10 +21,9 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
   holder of its shard killed together: the job resumes from a complete checkpoint. (AdamW is
   the optimizer of the example job and of ``user_train.py``, which the other recovery tests
   run under faults.)
-- ``dataset_classifier.py``: a ``torch.utils.data.Dataset`` of the script's own, whose
-  ``__getitem__`` augments from torch's global generator and Python's ``random``, through
-  ``DatasetLoader`` (collated as a ``DataLoader`` does), an epoch ending within the run,
-  cross-entropy with label smoothing, clipping.
+
+``user_train.py`` (a ``Dataset`` of its own that augments from the global generators, through
+``DatasetLoader``, an epoch ending within the run) is ``tests/test_bench_cli.py``'s.
 """
 
 from __future__ import annotations
@@ -132,11 +131,3 @@ def test_checkpoints_complete_under_frequent_faults_and_serve_a_total_loss(tmp_p
     restored = {e["step"] for e in from_checkpoint}
     # Each mode of the bench checkpoints in a folder of its own under --checkpoint-dir.
     assert restored <= set(complete_steps(str(ckpt / "checkpointless"))) and min(restored) >= 5
-
-
-def test_a_dataset_of_the_scripts_own_is_replayed_exactly_after_faults(tmp_path, capsys):
-    # The dataset draws from the global generators as it reads: a recovery must replay the
-    # draws of the restored step's next batches, on the survivors and on the spare.
-    faults = ("kill:rank=1@step=3:phase=forward", "kill:rank=2@step=7:phase=optimizer")
-    _, done = _inject(tmp_path, capsys, "dataset_classifier.py", 9, faults)
-    assert len(done) >= len(faults) and {e["restored_from"] for e in done} == {"peers"}

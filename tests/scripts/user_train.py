@@ -1,49 +1,58 @@
 """A protected training script that knows nothing of p2p-bench (``p2p-bench inject --script``).
 
-A small MLP sharded with FSDP2 over gloo, AdamW, and a loader of its own that makes each batch
-from its position, the rank and the world size: the smallest loader ``protect()`` can rewind.
-``--log-every N`` prints the loss averaged over the ranks (an ``all_reduce``) every N steps,
-inside the step's guard, or after it with ``--log-outside`` (the mistake the engine warns of).
+A small FSDP2 classifier over gloo fed from a ``torch.utils.data.Dataset`` of its own, as people
+write them: ``__getitem__`` returns a ``(features, label)`` pair and augments it with noise from
+torch's global generator and a flip from Python's ``random``; ``dataload.loader.DatasetLoader``
+collates the pairs as a ``DataLoader`` does. 150 samples in global batches of 32, so an epoch
+ends within a few steps and the next is drawn in another order. Cross-entropy with label
+smoothing, dropout, AdamW, gradient clipping. ``--log-every N`` prints the loss averaged over
+the ranks (an ``all_reduce``) every N steps, inside the step's guard, or after it with
+``--log-outside`` (the mistake the engine warns of).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import Dataset
 
 import p2p_state
+from dataload.loader import DatasetLoader
+
+FEATURES, CLASSES = 24, 6
 
 
-class PositionLoader:
-    """Batches made from a position: ``next_batch``, ``state_dict``/``load_state_dict``,
-    ``set_world`` (what ``protect()`` asks of a loader)."""
+class Points(Dataset):
+    """Sample ``i``: a point near its class's centre, jittered each time it is read."""
 
-    def __init__(self, world_size: int, rank: int) -> None:
-        self.position = 0
-        self.set_world(world_size, rank)
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.centres = torch.randn(CLASSES, FEATURES, generator=g) * 2
+        self.labels = torch.randint(0, CLASSES, (n,), generator=g)
+        self.points = self.centres[self.labels] + torch.randn(n, FEATURES, generator=g)
 
-    def set_world(self, world_size: int, rank: int) -> None:
-        self.world_size, self.rank = world_size, rank
+    def __len__(self) -> int:
+        return len(self.labels)
 
-    def next_batch(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.position * self.world_size + self.rank)
-        self.position += 1
-        return torch.randn(8, 32, generator=g)
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = state["position"]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.points[i] + 0.1 * torch.randn(FEATURES)  # augmentation: the global generator
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x, int(self.labels[i])
 
 
 def build(lr: float):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.Dropout(0.1)
+        torch.nn.Linear(FEATURES, 64),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(64, CLASSES),
     )
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
@@ -58,13 +67,17 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
-    loader = PositionLoader(dist.get_world_size(), dist.get_rank())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    random.seed(100 + rank)
+    loader = DatasetLoader(Points(150), global_batch=32, world_size=world, rank=rank, seed=7)
     with p2p_state.protect(lambda: build(args.lr), loader=loader, max_steps=args.steps) as job:
-        for step, batch in job:
+        for step, (x, y) in job:
             logging = args.log_every and step % args.log_every == 0
             with job.step():
-                loss = (job.model(batch) - batch).pow(2).mean()
+                loss = F.cross_entropy(job.model(x), y, label_smoothing=0.1)
                 loss.backward()
+                torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=1.0)
                 job.optimizer.step()
                 job.optimizer.zero_grad()
                 if logging and not args.log_outside:
