@@ -333,6 +333,20 @@ def _torchrun_leftovers(args: argparse.Namespace) -> list[str]:
     return ignored
 
 
+def _without_effect(args: argparse.Namespace) -> list[str]:
+    """A warning for each setting given that this job never uses (after :func:`_validate`)."""
+    world = args.nnodes * args.nproc_per_node
+    said = []
+    delay = args.scale_up_delay_s
+    if args.max_ranks == world and delay != build_parser().get_default("scale_up_delay_s"):
+        said.append(
+            f"--scale-up-delay {delay:g} has no effect: the job cannot grow beyond its start "
+            f"size of {world} ranks (give --max-ranks, or --nnodes MIN:MAX, to let it grow into "
+            "spares)"
+        )
+    return said
+
+
 def _validate(args: argparse.Namespace, script: bool = True) -> None:
     if args.join_timeout_s <= 0:
         raise UsageError("--join-timeout must be > 0 seconds")
@@ -716,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
         for warning in _torchrun_leftovers(args):
             print(f"p2p-run: warning: {warning}", file=sys.stderr)
         _validate(args)
+        for warning in _without_effect(args):
+            print(f"p2p-run: warning: {warning}", file=sys.stderr)
         if args.print_config:
             print(
                 slurm.format_config(

@@ -317,6 +317,21 @@ def test_torchruns_other_flags_are_honoured_or_said_to_be_ignored():
             leftovers("--rdzv-conf", bad)
 
 
+def test_an_elastic_setting_a_job_of_a_fixed_size_never_uses_is_said_once():
+    def said(*flags: str) -> list[str]:
+        args = cli.build_parser().parse_args(
+            ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0", *flags, "train.py"]
+        )
+        cli._resolve(args, {})
+        cli._validate(args, script=False)
+        return cli._without_effect(args)
+
+    assert said() == [] and said("--max-ranks", "6", "--scale-up-delay", "5") == []
+    (warning,) = said("--scale-up-delay", "5")
+    assert warning.startswith("--scale-up-delay 5 has no effect: the job cannot grow beyond")
+    assert "give --max-ranks" in warning
+
+
 def test_exit_codes_say_how_the_job_ended():
     assert cli.Exit.FINISHED == 0 and cli.Exit.USAGE == 2
     assert cli.Exit.NOT_JOINED == JOIN_FAILED == 3
