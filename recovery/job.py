@@ -67,16 +67,18 @@ def checked_loader(loader: Any) -> Any:
         TypeError: it lacks a method of :data:`LOADER_METHODS` (a torch ``DataLoader`` has
             none of them); the message names the way out.
     """
+    if loader is None:
+        return None
     missing = [m for m in LOADER_METHODS if not callable(getattr(loader, m, None))]
-    if loader is None or not missing:
+    if not missing:
         return loader
-    dataset = " (such as your DataLoader's .dataset, with its collate_fn)"
+    its_dataset = " (such as your DataLoader's .dataset, with its collate_fn)"
     raise TypeError(
         f"protect(loader=...): a {type(loader).__name__} has no {', '.join(missing)}, which the "
         "engine rewinds the data with after a recovery; give "
         "dataload.loader.DatasetLoader(dataset, global_batch=..., world_size=..., rank=...) for "
-        f"a map-style dataset{dataset if hasattr(loader, 'dataset') else ''}, or a loader of "
-        "your own with next_batch(), state_dict(), load_state_dict() and set_world()"
+        f"a map-style dataset{its_dataset if hasattr(loader, 'dataset') else ''}, or a loader "
+        "of your own with next_batch(), state_dict(), load_state_dict() and set_world()"
     )
 
 
