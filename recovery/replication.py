@@ -177,12 +177,13 @@ class JobReplication:
         previous = self._last_replicated
         if self.stores.has_old:
             self._release_old_stores(step)
-        took = rep.replicate(step, extras())
+        carried = extras()  # once: a stateful object's state_dict() may sync the GPU
+        took = rep.replicate(step, carried)
         if self._prepared is not None and rep.slots_allocated:
             self._prepared_used(self._prepared)
             self._prepared = None
         if self.checkpointer is not None:
-            self.checkpointer.maybe_save(step, extras())
+            self.checkpointer.maybe_save(step, carried)
         if not took:
             return None
         self._last_replicated = step
