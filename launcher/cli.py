@@ -334,17 +334,33 @@ def _torchrun_leftovers(args: argparse.Namespace) -> list[str]:
 
 
 def _without_effect(args: argparse.Namespace) -> list[str]:
-    """A warning for each setting given that this job never uses (after :func:`_validate`)."""
-    world = args.nnodes * args.nproc_per_node
-    said = []
-    delay = args.scale_up_delay_s
-    if args.max_ranks == world and delay != build_parser().get_default("scale_up_delay_s"):
-        said.append(
-            f"--scale-up-delay {delay:g} has no effect: the job cannot grow beyond its start "
-            f"size of {world} ranks (give --max-ranks, or --nnodes MIN:MAX, to let it grow into "
-            "spares)"
-        )
-    return said
+    """A warning for each setting given that this job never uses (after :func:`_validate`).
+
+    A job of a fixed size (``--min-ranks`` = ``--max-ranks``) never resizes: it neither grows
+    (``--scale-up-delay``) nor gives ranks back (``--graceful-timeout``). One that may shrink
+    uses both, since it grows back into spares and may be told to shrink.
+    """
+    if args.min_ranks != args.max_ranks:
+        return []
+    size = f"the job's size is fixed at {args.max_ranks} ranks"
+    unused = {
+        "scale_up_delay_s": (
+            "--scale-up-delay",
+            f"{size}, so it never grows (give --max-ranks, or --nnodes MIN:MAX, to let it grow "
+            "into spares)",
+        ),
+        "graceful_timeout_s": (
+            "--graceful-timeout",
+            f"{size}, so no rank is ever given back (give --min-ranks below {args.max_ranks} to "
+            "let `p2p-run scale` shrink it)",
+        ),
+    }
+    parser = build_parser()
+    return [
+        f"{flag} {getattr(args, dest):g} has no effect: {why}"
+        for dest, (flag, why) in unused.items()
+        if getattr(args, dest) != parser.get_default(dest)
+    ]
 
 
 def _validate(args: argparse.Namespace, script: bool = True) -> None:

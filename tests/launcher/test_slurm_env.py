@@ -326,10 +326,15 @@ def test_an_elastic_setting_a_job_of_a_fixed_size_never_uses_is_said_once():
         cli._validate(args, script=False)
         return cli._without_effect(args)
 
-    assert said() == [] and said("--max-ranks", "6", "--scale-up-delay", "5") == []
-    (warning,) = said("--scale-up-delay", "5")
-    assert warning.startswith("--scale-up-delay 5 has no effect: the job cannot grow beyond")
-    assert "give --max-ranks" in warning
+    both = ("--scale-up-delay", "5", "--graceful-timeout", "20")
+    assert said() == [] and said("--max-ranks", "6", *both) == []
+    # A job that may shrink grows back into spares, and may be told to give ranks back.
+    assert said("--min-ranks", "3", *both) == []
+    delay, grace = said(*both)
+    assert delay.startswith("--scale-up-delay 5 has no effect: the job's size is fixed at 4 ")
+    assert "so it never grows (give --max-ranks" in delay
+    assert grace.startswith("--graceful-timeout 20 has no effect: the job's size is fixed at 4")
+    assert "give --min-ranks below 4 to let `p2p-run scale` shrink it" in grace
 
 
 def test_exit_codes_say_how_the_job_ended():
