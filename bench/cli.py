@@ -81,13 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text, exit_on_error=False)
         p.set_defaults(_module=module_name)
         importlib.import_module(module_name).add_arguments(p)
+    given = sys.argv[1:] if argv is None else argv
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(given)
     except argparse.ArgumentError as e:
-        given = sys.argv[1:] if argv is None else argv
         command = next((f"p2p-bench {a}" for a in given if a in _COMMANDS), "p2p-bench")
         print(f"{command}: error: {e}", file=sys.stderr)
         return 2
+    args.given_argv = list(given)  # the report's command line (bench.report_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(args._module)
     from bench.workdir import finish_work_dir, temporary_work_dir

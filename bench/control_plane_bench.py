@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.errors import BenchFailed
 from bench.flags import count, heartbeats, positive
+from bench.report_dir import add_out_dir, command_line, finish_with_table
 from bench.reports import ControlPlaneReport, ControlPlaneSize, Takeover
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the standby coordinator's silence limit before it asks for votes (default 1)",
     )
     p.add_argument("--no-takeover", action="store_true", help="no standby coordinator, no takeover")
+    add_out_dir(p, "control-plane")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -610,15 +612,17 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         takeover_timeout_s=None if args.no_takeover else args.takeover_timeout,
         sizes=sizes,
-        command="p2p-bench control-plane " + " ".join(sys.argv[2:]),
+        command=command_line(args),
     )
-    if args.json:
-        print(json.dumps(report.to_json()))
-        return 0
-    print(
+    finish_with_table(args, report.to_json(), _table(report, args))
+    return 0
+
+
+def _table(report: ControlPlaneReport, args: argparse.Namespace) -> str:
+    lines = [
         f"heartbeat every {args.heartbeat_interval}s, timeout {args.heartbeat_timeout}s"
         + ("" if args.no_takeover else f", takeover after {args.takeover_timeout}s of silence")
-    )
+    ]
     header = (
         "ranks",
         "coord CPU",
@@ -628,8 +632,8 @@ def run(args: argparse.Namespace) -> int:
         "hang detect s",
         "takeover ms p50/p99",
     )
-    print("  ".join(f"{h:>22}" for h in header))
-    for s in sizes:
+    lines.append("  ".join(f"{h:>22}" for h in header))
+    for s in report.sizes:
         took = s.takeover
         cells = (
             f"{s.ranks}",
@@ -640,5 +644,5 @@ def run(args: argparse.Namespace) -> int:
             f"{s.hang_detect_s_p50:.2f}",
             f"{took.takeover_ms_p50:.0f} / {took.takeover_ms_p99:.0f}" if took else "-",
         )
-        print("  ".join(f"{c:>22}" for c in cells))
-    return 0
+        lines.append("  ".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)

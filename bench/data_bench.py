@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from bench.bench_reports import DataReport
 from bench.errors import UsageError
 from bench.flags import count, positive
+from bench.report_dir import add_out_dir, command_line, finish_with_table
 
 _WORDS = [f"w{i:04d}" for i in range(4096)]
 
@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where to put corpus and cache (default: a temp "
         "dir; the cache goes to /dev/shm when it exists)",
     )
+    add_out_dir(p, "data")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -136,7 +137,7 @@ def measure(args: argparse.Namespace) -> DataReport:
         first_batch_from_cache_s=cache_first_s,
         samples_per_s_cache=cache_rate,
         samples_per_s_source=source_rate,
-        command="p2p-bench data " + " ".join(sys.argv[2:]),
+        command=command_line(args),
     )
 
 
@@ -147,14 +148,23 @@ def run(args: argparse.Namespace) -> int:
             f"--global-batch {args.global_batch} is smaller than --world-size "
             f"{args.world_size}: every rank reads at least one sample a step"
         )
+    if args.dir:
+        try:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(
+                f"--dir {args.dir}: cannot create it ({e.strerror}): give a folder you can write"
+            ) from None
     r = measure(args)
-    if args.json:
-        print(json.dumps(r.to_json()))
-        return 0
-    print(f"corpus {r.corpus_mb:.0f} MB, {r.samples} samples of {r.seq_len} tokens")
-    print(f"first batch, re-read + re-tokenise: {r.first_batch_from_source_s * 1e3:10.1f} ms")
-    print(f"first batch, node cache:            {r.first_batch_from_cache_s * 1e3:10.1f} ms")
-    print(f"  speedup                           {r.first_batch_speedup:10.0f} x")
-    print(f"samples/s from the cache:           {r.samples_per_s_cache:10.0f}")
-    print(f"samples/s from the source:          {r.samples_per_s_source:10.0f}")
+    table = "\n".join(
+        [
+            f"corpus {r.corpus_mb:.0f} MB, {r.samples} samples of {r.seq_len} tokens",
+            f"first batch, re-read + re-tokenise: {r.first_batch_from_source_s * 1e3:10.1f} ms",
+            f"first batch, node cache:            {r.first_batch_from_cache_s * 1e3:10.1f} ms",
+            f"  speedup                           {r.first_batch_speedup:10.0f} x",
+            f"samples/s from the cache:           {r.samples_per_s_cache:10.0f}",
+            f"samples/s from the source:          {r.samples_per_s_source:10.0f}",
+        ]
+    )
+    finish_with_table(args, r.to_json(), table)
     return 0

@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import socket
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from bench.errors import UsageError
 from bench.faults import COORDINATOR_KINDS, NODE_KINDS, Fault, parse_fault, random_faults
 from bench.flags import MODEL_PRESETS, count, heartbeats, positive
 from bench.netns import Healer, Network, unavailable
+from bench.report_dir import add_out_dir, command_line, report_dir
 from bench.reports import (
     BaselineSummary,
     CheckpointlessRun,
@@ -97,7 +97,7 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
         help="where checkpoints go: a directory or an fsspec URL, each mode's in a folder of its "
         "own (checkpointless/, restart/); default: in the run's folder",
     )
-    p.add_argument("--out-dir", default=None, help="report folder (default reports/<kind>-<time>)")
+    add_out_dir(p, p.prog.split()[-1])  # "p2p-bench inject": inject
     p.add_argument("--work-dir", default=None, help=WORK_DIR_HELP)
     p.add_argument(
         "--reference-cache",
@@ -509,20 +509,12 @@ def new_report(kind: str, args: argparse.Namespace, faults: list[Fault]) -> Faul
     """The report's frame; the modes and the summary are filled in by the command."""
     return FaultRunReport(
         kind=kind,
-        command=shlex.join(["p2p-bench", *sys.argv[1:]]) if sys.argv else "p2p-bench",
+        command=command_line(args),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=machine(),
         job=job_info(args),
         faults=[str(f) for f in faults],
     )
-
-
-def out_dir(args: argparse.Namespace, kind: str) -> Path:
-    """The report folder."""
-    if args.out_dir:
-        return Path(args.out_dir)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("reports") / f"{kind}-{stamp}"
 
 
 @contextlib.contextmanager
@@ -629,7 +621,7 @@ def finish(args: argparse.Namespace, report: FaultRunReport) -> int:
     """Write the report folder, print the table or the JSON; 1 if a run or the check failed."""
     from bench.report import write_report
 
-    folder = out_dir(args, report.kind)
+    folder = report_dir(args, report.kind)
     doc = report.to_json()
     paths = write_report(doc, folder)
     if args.json:

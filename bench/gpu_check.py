@@ -10,7 +10,7 @@ and capturable AdamW, the host time ``replicate()`` takes against a step, the st
 a forward that mutates buffers, and the peak memory of a rebuild after an exception. On a
 machine without CUDA it says so in one line and exits 0.
 
-    p2p-bench gpu-check --mib 1024 --out-dir runs/gpu-check
+    p2p-bench gpu-check --mib 1024 --out-dir reports/gpu-check
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from bench.bench_reports import CheckError, CheckResult, GpuCheckReport, Replica
 from bench.errors import UsageError
 from bench.fault_runs import machine
 from bench.flags import MODEL_PRESETS, count
+from bench.report_dir import command_line, report_dir
 
 #: The project's root: the sub-runs are started from it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out-dir",
         "--out",
         dest="out_dir",
-        default="runs/gpu-check",
-        help="report folder, as the other benches' (--out: its earlier name)",
+        default=None,
+        help="report folder (default reports/gpu-check-<time>; --out: its earlier name)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -77,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
         device=torch.cuda.get_device_name(),
         num_gpus=torch.cuda.device_count(),
         machine=machine(),
-        command=" ".join(["p2p-bench", *sys.argv[1:]]),
+        command=command_line(args),
     )
-    folder = Path(args.out_dir)
+    folder = report_dir(args, "gpu-check")
     device = torch.device("cuda", torch.cuda.current_device())
     checks: dict[str, Callable[[], CheckResult]] = {
         "copies": lambda: _copies(args.mib << 20, args.repeats),
@@ -101,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
         report.not_measured.append("left out: " + ", ".join(left_out))
     _write_json(report, folder)
     (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
-    print(json.dumps(report.to_json()) if args.json else _table(report))
+    if args.json:
+        print(json.dumps({**report.to_json(), "report_dir": str(folder)}, default=str))
+    else:
+        print(_table(report))
+        print(f"  report: {folder / 'report.md'}")
     return 0 if report.passed else 1
 
 
@@ -220,6 +225,7 @@ def _replication(folder: Path, preset: str, nproc: int = 2) -> dict[str, Any]:
     and the step time with replication on against off."""
     args = ["replicate", "--json", "--device", "cuda", "--model", preset]
     args += ["--nproc", str(nproc), "--ranks-per-node", "1", "--timeout", str(RUN_TIMEOUT_S)]
+    args += ["--out-dir", str(folder / "replication")]
     lines = _bench(args, folder / "replication.log", RUN_TIMEOUT_S)
     r = ReplicateReport.from_json(json.loads(lines[-1]))
     keep = [

@@ -10,13 +10,13 @@ squatter on a real identity, then a flood of ``--flood-sockets`` sockets each se
 state changes from unauthenticated input, resizes accepted without the operator key, the
 coordinator's peak RSS, whether the legitimate agent was ever taken for lost, whether the
 squatted identity's real owner was answered and whether the squatter received anything.
-``--json`` prints one object; ``--out-dir`` gets report.json and report.md.
+``--json`` prints one object; ``--out-dir`` (default ``reports/hostile-<time>``) gets
+report.json and report.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
@@ -33,6 +33,7 @@ import zmq
 
 from bench.errors import BenchFailed
 from bench.flags import count
+from bench.report_dir import add_out_dir, finish_with_table
 from bench.reports import HostileReport
 from launcher import protocol
 
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--oversized-mb", type=count(1), default=256, help="size of each oversized frame (MiB)"
     )
-    p.add_argument("--out-dir", default=None, help="write report.json and report.md here")
+    add_out_dir(p, "hostile")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -266,10 +267,5 @@ def run(args: argparse.Namespace) -> int:
             f"{r.resizes_without_operator_key}",
         ]
     )
-    if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps(r.to_json(), indent=1))
-        (out / "report.md").write_text(md + "\n")
-    print(json.dumps(r.to_json()) if args.json else md)
+    finish_with_table(args, r.to_json(), md, markdown=True)
     return 0 if r.passed else 1

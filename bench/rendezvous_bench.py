@@ -31,13 +31,11 @@ whose reads poll for addresses not written yet, are not modelled.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import os
 import platform
 import socket
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from datetime import timedelta
@@ -47,6 +45,7 @@ from typing import Any
 from bench.bench_reports import HostInfo, RendezvousPattern, RendezvousReport, RendezvousSize
 from bench.control_plane_bench import process_cpu_s
 from bench.flags import count
+from bench.report_dir import add_out_dir, command_line, finish_with_table
 from bench.scale_model import GLOO_BATCH, LAZY_PAIRS
 
 #: Bytes of a gloo TCP address: a ``sockaddr_storage`` and a sequence number.
@@ -70,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=20_000,
         help="requests replayed per size and way, at least (default 20,000)",
     )
+    add_out_dir(p, "rendezvous")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -202,22 +202,24 @@ def measure(args: argparse.Namespace) -> RendezvousReport:
         sizes=sizes,
         clients=args.clients,
         machine=HostInfo(os.cpu_count(), platform.python_version(), torch.__version__),
-        command="p2p-bench rendezvous " + " ".join(sys.argv[2:]),
+        command=command_line(args),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``p2p-bench rendezvous``."""
     report = measure(args)
-    if args.json:
-        print(json.dumps(report.to_json()))
-        return 0
-    print(
+    finish_with_table(args, report.to_json(), _table(report))
+    return 0
+
+
+def _table(report: RendezvousReport) -> str:
+    lines = [
         "one gloo group's rendezvous through the authenticated store "
-        f"({args.clients} clients; per group, scaled to its members)"
-    )
+        f"({report.clients} clients; per group, scaled to its members)"
+    ]
     header = ("members", "", "requests", "address B", "MB read", "store CPU s", "wall s")
-    print("  ".join(f"{h:>11}" for h in header))
+    lines.append("  ".join(f"{h:>11}" for h in header))
     for s in report.sizes:
         for name, row in (("default", s.default), ("engine", s.engine), ("lazy", s.lazy)):
             if row is None:
@@ -231,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{row.store_cpu_s:.2f}",
                 f"{row.wall_s:.2f}",
             ]
-            print("  ".join(f"{c:>11}" for c in cells))
-        print(f"{'':>11}  store CPU, default / engine: {s.store_cpu_ratio:.0f}x", end="")
-        print(f", engine / lazy: {s.lazy_ratio:.0f}x" if s.lazy is not None else "")
-    return 0
+            lines.append("  ".join(f"{c:>11}" for c in cells))
+        lines.append(
+            f"{'':>11}  store CPU, default / engine: {s.store_cpu_ratio:.0f}x"
+            + (f", engine / lazy: {s.lazy_ratio:.0f}x" if s.lazy is not None else "")
+        )
+    return "\n".join(lines)

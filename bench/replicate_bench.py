@@ -18,14 +18,14 @@ and the bytes go over NCCL's socket transport):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from typing import Any
 
 from bench.bench_reports import HostInfo, ReplicateReport, RoundTimes
+from bench.errors import UsageError
 from bench.flags import MODEL_PRESETS, count, positive
+from bench.report_dir import add_out_dir, command_line, finish_with_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-mb", type=positive, default=32.0, help="replication chunk size, MiB")
     p.add_argument("--timeout", type=positive, default=1200.0, help="deadline for the run, seconds")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the ranks train")
+    add_out_dir(p, "replicate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -207,7 +208,7 @@ def measure(args: argparse.Namespace) -> ReplicateReport:
         "device": args.device,
     }
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this machine has no CUDA device")
+        raise UsageError("--device cuda: this machine has no CUDA device; give --device cpu")
     cfg = WorkerGroupConfig(
         world_size=args.nproc,
         ranks_per_node=args.ranks_per_node,
@@ -245,7 +246,7 @@ def measure(args: argparse.Namespace) -> ReplicateReport:
         ),
         measured_steps_per_mode=len(off),
         machine=HostInfo(os.cpu_count(), platform.python_version(), torch.__version__),
-        command="p2p-bench replicate " + " ".join(sys.argv[2:]),
+        command=command_line(args),
     )
 
 
@@ -282,10 +283,6 @@ def _table(r: ReplicateReport) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``p2p-bench replicate``."""
-    try:
-        report = measure(args)
-    except ValueError as e:
-        print(f"p2p-bench replicate: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.to_json()) if args.json else _table(report))
+    report = measure(args)
+    finish_with_table(args, report.to_json(), _table(report))
     return 0

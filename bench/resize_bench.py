@@ -24,7 +24,6 @@ smoke run uses both (``--model tiny --steps 30 --step-time 0.3 --no-dcp``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 from bench.baseline import run_baseline
 from bench.errors import BenchFailed
 from bench.flags import MODEL_PRESETS, count, non_negative, positive
+from bench.report_dir import add_out_dir, finish_with_table
 from bench.reports import DcpResize, InPlaceResize, InPlaceRun, ResizeReport
 from bench.runner import EXAMPLE
 from bench.workdir import WORK_DIR_HELP, fresh_run_dir
@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "are done (for small models; default 0, unpaced)",
     )
     p.add_argument("--no-dcp", action="store_true", help="skip the resizes through DCP")
+    add_out_dir(p, "resize")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -224,22 +225,24 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_dcp:
         report.dcp_grow = _through_dcp(args, work, 3, 4)
         report.dcp_shrink = _through_dcp(args, work, 4, 3)
-    if args.json:
-        print(json.dumps(report.to_json(), default=str))
-        return 0
-    print(f"p2p-bench resize: {args.model} model")
+    finish_with_table(args, report.to_json(), _table(report))
+    return 0
+
+
+def _table(report: ResizeReport) -> str:
+    lines = [f"p2p-bench resize: {report.model} model"]
     for label in ("grow", "shrink"):
         ours, theirs = report.in_place_of(label), report.dcp_of(label)
         ours_s = float("nan") if ours is None else ours.resize_s
         if theirs is None:
-            print(f"  {label:6s}: in place {ours_s:.2f} s")
+            lines.append(f"  {label:6s}: in place {ours_s:.2f} s")
             continue
-        print(
+        lines.append(
             f"  {label:6s} {theirs.from_size} -> {theirs.to_size}: in place "
             f"{ours_s:.2f} s ({None if ours is None else ours.phases_ms}), through DCP "
             f"{theirs.resize_s:.2f} s (save {theirs.save_s:.2f}, stop "
             f"{theirs.stop_s:.2f}, restart and load {theirs.restart_and_load_s:.2f}): "
             f"{report.speedup_vs_dcp(label)}x"
         )
-    print(f"  resize_speedup_vs_dcp: {report.resize_speedup_vs_dcp}")
-    return 0
+    lines.append(f"  resize_speedup_vs_dcp: {report.resize_speedup_vs_dcp}")
+    return "\n".join(lines)

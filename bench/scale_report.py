@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from bench import scale_goodput as gp
@@ -30,6 +28,7 @@ from bench.bench_reports import (
 )
 from bench.errors import UsageError
 from bench.flags import count, positive
+from bench.report_dir import add_out_dir, command_line, report_dir
 from bench.scale_model import Input, Inputs, Job
 from recovery.gloo_pairs import LAZY_FROM_RANKS, pairs_on_first_use
 
@@ -83,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=2000, help="Monte Carlo months (default 2000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true", help="report.md and report.json only")
-    p.add_argument("--out-dir", default=None, help="report folder (default reports/scale-<time>)")
+    add_out_dir(p, "scale")
     p.add_argument("--json", action="store_true", help="print the report object")
 
 
@@ -463,7 +462,7 @@ def build_report(args: argparse.Namespace, measured: dict[str, Any]) -> ScaleRep
     )
     return ScaleReport(
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        command="p2p-bench " + " ".join(sys.argv[1:]),
+        command=command_line(args),
         job=ScaleJob(
             gpus=args.gpus,
             gpus_per_node=args.gpus_per_node,
@@ -496,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
     from bench import scale_render
 
     report = build_report(args, sm.load("measured"))
-    out = Path(args.out_dir or f"reports/scale-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = report_dir(args, "scale")
     written = scale_render.write(report.to_json(), out, plots=not args.no_plots)
     if args.json:
         print(json.dumps(report.to_json(), default=str))

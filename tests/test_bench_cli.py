@@ -16,8 +16,19 @@ pytestmark = pytest.mark.slow
 
 
 def _run(capsys, *argv):
+    """``p2p-bench *argv`` (with ``--json`` and ``--out-dir``): what it printed, less the report
+    folder it names, which holds ``report.json`` and ``report.md``."""
     assert main(list(argv)) == 0
-    return json.loads(capsys.readouterr().out)
+    printed = json.loads(capsys.readouterr().out)
+    folder = Path(argv[argv.index("--out-dir") + 1])
+    assert printed.pop("report_dir") == str(folder)
+    written = json.loads((folder / "report.json").read_text())
+    md = (folder / "report.md").read_text()
+    if argv[0] not in ("inject", "recover", "baseline", "compare"):  # those print a summary
+        assert written == printed
+        # The command that reproduces it, as given (here not the test runner's sys.argv).
+        assert md.startswith(f"# p2p-bench {argv[0]}\n\n`p2p-bench {argv[0]} --")
+    return printed
 
 
 def test_data_bench(capsys, tmp_path):
@@ -33,13 +44,15 @@ def test_data_bench(capsys, tmp_path):
         "--batches",
         "5",
         "--dir",
-        str(tmp_path),
+        str(tmp_path / "data"),
+        "--out-dir",
+        str(tmp_path / "report"),
         "--json",
     )
     assert r["first_batch_from_cache_s"] > 0 and r["samples"] > 0
 
 
-def test_control_plane_bench(capsys):
+def test_control_plane_bench(capsys, tmp_path):
     r = _run(
         capsys,
         "control-plane",
@@ -57,6 +70,8 @@ def test_control_plane_bench(capsys):
         "0.2",
         "--cpu-window",
         "0.5",
+        "--out-dir",
+        str(tmp_path),
         "--json",
     )
     (size,) = r["sizes"]
@@ -72,10 +87,11 @@ def test_control_plane_bench(capsys):
         assert size["takeover_members"] >= 32 + 4 - 1
 
 
-def test_rendezvous_bench(capsys):
+def test_rendezvous_bench(capsys, tmp_path):
     from bench.rendezvous_bench import address_bytes, reads_per_member
 
     argv = ["--ranks", "16", "--min-requests", "300", "--clients", "2", "--json"]
+    argv += ["--out-dir", str(tmp_path)]
     r = _run(capsys, "rendezvous", *argv)
     (size,) = r["sizes"]
     default, engine, lazy = size["default"], size["engine"], size["lazy"]
@@ -90,7 +106,7 @@ def test_rendezvous_bench(capsys):
     assert size["lazy_ratio"] > 0
 
 
-def test_replicate_bench(capsys):
+def test_replicate_bench(capsys, tmp_path):
     r = _run(
         capsys,
         "replicate",
@@ -106,14 +122,21 @@ def test_replicate_bench(capsys):
         "1",
         "--batch-size",
         "2",
+        "--out-dir",
+        str(tmp_path),
         "--json",
     )
     assert r["replication_gbps"] > 0 and r["snapshot_mib_per_rank"] > 0
 
 
-def test_bad_bench_input_is_one_line(capsys):
+def test_bad_bench_input_is_one_line(capsys, tmp_path):
     assert main(["data", "--size-mb", "0"]) == 2
     assert "--size-mb" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["data", "--dir", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"p2p-bench data: error: --dir {tmp_path}/file/sub: cannot create it")
+    assert err.endswith("(Not a directory): give a folder you can write\n")
 
 
 def test_a_measurement_that_cannot_be_made_is_one_line_and_exit_code_1(capsys, monkeypatch):
@@ -611,7 +634,9 @@ def test_resize_bench_grows_and_shrinks_in_place(capsys, tmp_path):
         "--timeout",
         "240",
         "--work-dir",
-        str(tmp_path),
+        str(tmp_path / "work"),
+        "--out-dir",
+        str(tmp_path / "report"),
         "--json",
     )
     in_place = r["in_place"]

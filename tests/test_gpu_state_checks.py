@@ -250,6 +250,7 @@ def test_the_report_names_each_check_in_the_order_run_and_what_it_did_not_measur
 ):
     assert gpu_check.run(_args(tmp_path, True)) == 1  # the stream race raised
     printed = json.loads(capsys.readouterr().out)
+    assert printed.pop("report_dir") == str(tmp_path)
     assert json.loads((tmp_path / "report.json").read_text()) == printed
     header = ["benchmark", "cuda", "device", "num_gpus", "machine", "command"]
     checks = ["copies", "checksum", "pinned_alloc", "bitwise_restore", "stream_race"]

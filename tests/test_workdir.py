@@ -109,3 +109,34 @@ def test_a_temporary_work_dir_goes_unless_a_run_failed(capsys, tmp_path, monkeyp
     # A folder the user chose is theirs; a command without one gets none.
     assert temporary_work_dir(argparse.Namespace(command="inject", work_dir="mine")) is None
     assert temporary_work_dir(argparse.Namespace(command="data")) is None
+
+
+def test_a_bench_writes_its_report_folder_with_the_command_as_given(capsys, tmp_path, monkeypatch):
+    import json
+    import re
+
+    from bench import data_bench
+    from bench.bench_reports import DataReport
+    from bench.report_dir import command_line
+
+    def measure(args):  # the figures are not the point here: where they go is
+        return DataReport(
+            corpus_mb=1, documents=2, samples=3, seq_len=4, cache_build_s=0.5,
+            first_batch_from_source_s=0.2, first_batch_from_cache_s=0.1,
+            samples_per_s_cache=30, samples_per_s_source=10, command=command_line(args),
+        )  # fmt: skip
+
+    monkeypatch.setattr(data_bench, "measure", measure)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--log-level", "ERROR", "data", "--dir", "a b"]) == 0
+    (folder,) = (tmp_path / "reports").iterdir()  # no --out-dir: reports/<kind>-<time>
+    assert re.fullmatch(r"data-\d{8}-\d{6}", folder.name)
+    printed = capsys.readouterr().out
+    assert re.search(r"first batch, node cache: +100.0 ms\n", printed)
+    assert printed.endswith(f"  report: reports/{folder.name}/report.md\n")
+    written = json.loads((folder / "report.json").read_text())
+    # The command line of the call, not of the process that made it (here: pytest's).
+    assert written["command"] == "p2p-bench --log-level ERROR data --dir 'a b'"
+    md = (folder / "report.md").read_text()
+    assert md.startswith("# p2p-bench data\n\n`p2p-bench --log-level ERROR data --dir 'a b'`\n")
+    assert re.search(r"\n  speedup +2 x\n", md)
