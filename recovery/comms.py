@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from recovery.gloo_pairs import ENV_GLOO_LAZY_INIT, LAZY_FROM_RANKS, GlooPairs, lazy_pairs_work
 from recovery.sockets import shutdown_socket, tcp_sockets
+from recovery.tracebacks import rank_prefix
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -627,14 +628,15 @@ def _init_default(
         from torch.distributed import distributed_c10d
 
         distributed_c10d._world.group_count = 0
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=_eager_device(backend),
-    )
+    with rank_prefix(rank):  # one "[rank<r>]: " on a traceback, not one per generation
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=_eager_device(backend),
+        )
     _forget_stale_shardings(world_size, rank)
     return dist.group.WORLD
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from p2p_state.state import TrainingState
+from recovery.tracebacks import rank_prefix
 
 Build = Callable[[], tuple[Any, ...]]
 """The job's factory: ``(model, optimizer)`` or ``(model, optimizer, scheduler)`` (checked when
@@ -77,7 +78,8 @@ def warm_up(build: Build, backend: str, step: WarmupStep | None = None) -> float
     """
     t0 = time.perf_counter()
     rng = capture_rng()
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    with rank_prefix(None):  # a spare is no rank yet: its traceback says nothing of rank 0
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
         _build_and_restore(build, step)
     finally:

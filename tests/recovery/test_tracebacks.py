@@ -1,0 +1,65 @@
+"""A traceback carries one ``[rank<r>]:`` prefix with the process's rank now, however many times
+the engine created the default group (a spare's warm-up, each generation)."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from recovery import comms
+from recovery.tracebacks import rank_prefix
+
+
+@pytest.fixture
+def hook_kept():
+    before = sys.excepthook
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.excepthook = before
+
+
+def _printed(capsys) -> str:
+    try:
+        raise KeyError("label")
+    except KeyError as e:
+        sys.excepthook(type(e), e, None)
+    return capsys.readouterr().err
+
+
+def test_generations_of_the_default_group_leave_one_prefix(hook_kept, capsys):
+    for _ in range(3):  # three generations of a world of one, as a recovery makes them
+        comms._init_default(dist.HashStore(), "gloo", 0, 1, timedelta(seconds=30))
+    lines = _printed(capsys).splitlines()  # the traceback, then the error
+    assert lines[-1] == "[rank0]: KeyError: 'label'" and len(lines) > 1
+    assert all(line.startswith("[rank0]: ") and line.count("[rank") == 1 for line in lines)
+
+
+def _torch_like_init(rank: int) -> None:
+    """What init_process_group does to the hook (a stand-in: a world of one is always rank 0)."""
+    inner = sys.excepthook
+
+    def hook(*args):
+        inner(*args)
+
+    hook.prefix = f"[rank{rank}]"  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def test_a_spare_given_rank_1_says_rank_1_and_a_users_hook_stays_underneath(hook_kept, capsys):
+    def users_hook(exc_type, exc, tb):
+        sys.stderr.write(f"user: {exc!r}\n")
+
+    sys.excepthook = users_hook
+    with rank_prefix(None):  # the spare's warm-up group: rank 0 of a world of one
+        _torch_like_init(0)
+    assert sys.excepthook is users_hook
+    with rank_prefix(1):
+        _torch_like_init(1)
+    assert _printed(capsys) == "[rank1]: user: KeyError('label')\n"
+    with rank_prefix(3):  # a later generation gave it another rank
+        _torch_like_init(3)
+    assert _printed(capsys) == "[rank3]: user: KeyError('label')\n"
