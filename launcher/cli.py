@@ -639,6 +639,27 @@ def _command(args: argparse.Namespace) -> tuple[str, ...]:
     return (sys.executable, "-u", args.script, *args.script_args)
 
 
+def _made_folders(args: argparse.Namespace) -> Path:
+    """Make the run folder and a local ``--checkpoint-dir`` before anything starts (a remote
+    one, ``s3://...``, is the ranks' to try): the run folder.
+
+    Raises:
+        UsageError: one cannot be made (a file in the way, no permission), naming its flag.
+    """
+    folders = [("--run-dir", args.run_dir or str(Path("runs") / args.job_id))]
+    if args.checkpoint_dir and "://" not in args.checkpoint_dir:
+        folders.append(("--checkpoint-dir", args.checkpoint_dir))
+    for flag, folder in folders:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            why = "a file is there" if isinstance(e, FileExistsError) else e.strerror
+            raise UsageError(
+                f"{flag} {folder}: cannot make it ({why}): give a folder you can write"
+            ) from None
+    return Path(folders[0][1]).resolve()
+
+
 def _log_dir(args: argparse.Namespace, run_dir: Path) -> str | None:
     """This node's folder of log files, made and announced when some stream goes to a file."""
     output: OutputConfig = args.output
@@ -711,8 +732,7 @@ def _head_node(argv: list[str]) -> int:
         _validate(args, script=False)
         if not args.coordinator:
             raise UsageError("p2p-run coordinator needs --coordinator host:port (where to listen)")
-        run_dir = Path(args.run_dir or Path("runs") / args.job_id).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = _made_folders(args)
         args.node_rank, args.external_coordinator = 0, args.standby_of is not None
         secret = _secret_file(args, run_dir)
         if not args.standby_of:
@@ -759,8 +779,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             return Exit.FINISHED
-        run_dir = Path(args.run_dir or Path("runs") / args.job_id).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = _made_folders(args)
         secret = _secret_file(args, run_dir)
         address = args.coordinator
         if args.node_rank == 0 and not args.external_coordinator:

@@ -18,7 +18,9 @@ belongs on the training thread, never on a background thread during recovery.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from p2p_state.state import TrainingState
 from recovery import manifest
+from recovery.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem  # untyped: the name documents what is returned
@@ -78,6 +81,27 @@ def _fs(root: str) -> tuple[AbstractFileSystem, str]:
 
     fs, path = fsspec.core.url_to_fs(root)
     return fs, path
+
+
+def check_root(root: str) -> None:
+    """Make sure checkpoints can be written under a local ``root``, creating it if missing (a
+    remote one, ``s3://...``, is tried by its first save).
+
+    Raises:
+        ConfigurationError: a file is in its way, or it cannot be created or written.
+    """
+    fs, path = _fs(root)
+    if "file" not in fs.protocol:
+        return
+    try:
+        fs.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        raise ConfigurationError(
+            f"the checkpoint directory {root} cannot be used ({e.strerror or e}): give one "
+            "this job can create and write (p2p-run --checkpoint-dir)"
+        ) from None
 
 
 def complete_steps(root: str) -> list[int]:

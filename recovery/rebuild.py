@@ -25,7 +25,7 @@ from p2p_state.replicator import Replicator
 from p2p_state.snapshot import Copy
 from p2p_state.state import TrainingState
 from recovery import phases
-from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, complete_steps
+from recovery.checkpoint import CheckpointConfig, ColdCheckpointer, check_root, complete_steps
 from recovery.config import RecoveryConfig
 from recovery.devices import snapshot_device, training_device, wire_device
 from recovery.errors import ConfigurationError, RecoveryFailed
@@ -218,14 +218,18 @@ class Rebuilder:
         self._initial_extras = copy.deepcopy(extras)
 
     def check_fresh_start(self) -> None:
-        """Refuse to start a job afresh over another run's checkpoints.
+        """Refuse a checkpoint directory the job cannot write, and starting a job afresh over
+        another run's checkpoints.
 
         Raises:
-            ConfigurationError: the checkpoint directory holds checkpoints and the job does not
-                resume from them.
+            ConfigurationError: the checkpoint directory cannot be written, or it holds
+                checkpoints and the job does not resume from them.
         """
         ckpt = self._config.checkpoint
-        if ckpt is not None and not self._config.resume and complete_steps(ckpt.root):
+        if ckpt is None:
+            return
+        check_root(ckpt.root)
+        if not self._config.resume and complete_steps(ckpt.root):
             raise ConfigurationError(
                 f"the checkpoint directory {ckpt.root} already holds checkpoints of steps "
                 f"{complete_steps(ckpt.root)}: resume from them (p2p-run --resume) or give "

@@ -259,6 +259,22 @@ def test_bad_cli_input_is_one_clear_line(tmp_path, args, message):
     assert "Traceback" not in r.stderr
 
 
+def test_a_folder_that_cannot_be_made_is_one_clear_line_before_anything_starts(tmp_path):
+    (tmp_path / "file").write_text("")
+    run = tmp_path / "run"
+    for flag, bad, why in [
+        ("--run-dir", tmp_path / "file" / "sub", "Not a directory"),
+        ("--checkpoint-dir", tmp_path / "file" / "sub", "Not a directory"),
+        ("--checkpoint-dir", tmp_path / "file", "a file is there"),
+    ]:
+        r = _run_cli("--run-dir", str(run), flag, str(bad), WORKER)
+        assert r.returncode == 2
+        assert r.stderr == (
+            f"p2p-run: error: {flag} {bad}: cannot make it ({why}): give a folder you can write\n"
+        )
+    assert list(run.iterdir()) == []  # no coordinator, no secret: nothing was started
+
+
 def test_port_in_use_is_one_clear_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
