@@ -121,7 +121,7 @@ def _run(module: ModuleType, args: argparse.Namespace) -> int:
     from launcher.testing import JobStartFailed, JobTimeout
 
     try:
-        _check_out_dir(args)
+        _check_folders(args)
         return int(module.run(args) or 0)
     except UsageError as e:
         print(f"p2p-bench {args.command}: error: {e}", file=sys.stderr)
@@ -137,30 +137,42 @@ def _run(module: ModuleType, args: argparse.Namespace) -> int:
         return 128 + signal.SIGINT
 
 
-def _check_out_dir(args: argparse.Namespace) -> None:
-    """Refuse a report folder that cannot be written before the runs, not after them; what
-    the check creates it removes (the report creates it again).
+def _check_folders(args: argparse.Namespace) -> None:
+    """Refuse a report, work or local checkpoint folder that cannot be written before the runs,
+    not after them; what the check creates it removes (the runs create it again).
 
     Raises:
-        bench.errors.UsageError: the folder cannot be created, or not written into.
+        bench.errors.UsageError: a folder cannot be created, or not written into.
     """
     from bench.errors import UsageError
 
-    if not getattr(args, "out_dir", None):
-        return
-    folder = Path(args.out_dir)
-    missing = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise UsageError(
-            f"--out-dir {folder}: cannot write there ({e.strerror}): give a folder you can write"
-        ) from None
-    finally:
-        for made in missing:
-            with contextlib.suppress(OSError):
-                made.rmdir()
+    given = [(flag, getattr(args, dest, None)) for flag, dest in _FOLDERS]
+    for flag, value in given:
+        if not value or "://" in value:
+            continue
+        folder = Path(value)
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            why = "a file is there" if isinstance(e, FileExistsError) else e.strerror
+            raise UsageError(
+                f"{flag} {folder}: cannot write there ({why}): give a folder you can write"
+            ) from None
+        finally:
+            for made in missing:
+                with contextlib.suppress(OSError):
+                    made.rmdir()
+
+
+#: The folders a subcommand may be given: (flag, attribute).
+_FOLDERS = (
+    ("--out-dir", "out_dir"),
+    ("--work-dir", "work_dir"),
+    ("--checkpoint-dir", "checkpoint_dir"),
+    ("--dir", "dir"),
+)
 
 
 if __name__ == "__main__":

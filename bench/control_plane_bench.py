@@ -53,7 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.errors import BenchFailed
+from bench.errors import BenchFailed, UsageError
 from bench.flags import count, heartbeats, positive
 from bench.report_dir import add_out_dir, command_line, finish_with_table
 from bench.reports import ControlPlaneReport, ControlPlaneSize, Takeover
@@ -599,12 +599,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``p2p-bench control-plane``."""
     for n in args.ranks:
         if n < RANKS_PER_NODE * 2 or n % RANKS_PER_NODE:
-            print(
-                f"p2p-bench control-plane: --ranks {n}: use a multiple of {RANKS_PER_NODE} "
-                f"of at least {2 * RANKS_PER_NODE}",
-                file=sys.stderr,
+            raise UsageError(
+                f"--ranks {n}: use a multiple of {RANKS_PER_NODE} of at least {2 * RANKS_PER_NODE}"
             )
-            return 2
     heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
     sizes = [_measure_size(n, args) for n in args.ranks]
     report = ControlPlaneReport(

@@ -135,8 +135,15 @@ def test_bad_bench_input_is_one_line(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     assert main(["data", "--dir", str(tmp_path / "file" / "sub")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"p2p-bench data: error: --dir {tmp_path}/file/sub: cannot create it")
-    assert err.endswith("(Not a directory): give a folder you can write\n")
+    assert err == (
+        f"p2p-bench data: error: --dir {tmp_path}/file/sub: cannot write there (Not a "
+        "directory): give a folder you can write\n"
+    )
+    for flag in ("--work-dir", "--checkpoint-dir"):  # refused before any run
+        assert main(["compare", flag, str(tmp_path / "file"), "--fault", "kill:rank=1@step=2"]) == 2
+        assert f"{flag} {tmp_path}/file: cannot write there (a file is there)" in (
+            capsys.readouterr().err
+        )
 
 
 def test_a_measurement_that_cannot_be_made_is_one_line_and_exit_code_1(capsys, monkeypatch):
@@ -521,6 +528,7 @@ def test_bad_script_arguments_are_one_clear_line(capfd, argv, message):
         (["replicate", "--blocks", "0"], "argument --blocks: 0 is below 1"),
         (["replicate", "--chunk-mb", "x"], "argument --chunk-mb: 'x' is not a number"),
         (["control-plane", "--workers", "-1"], "argument --workers: -1 is below 1"),
+        (["control-plane", "--ranks", "20"], "--ranks 20: use a multiple of 8 of at least 16"),
         (["data", "--world-size", "100"], "--global-batch 64 is smaller than --world-size 100"),
         (["resize", "--step-time", "-1"], "argument --step-time: -1 is below 0"),
         (["scale-report", "--gpus-per-node", "0"], "argument --gpus-per-node: 0 is below 1"),
