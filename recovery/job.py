@@ -228,14 +228,32 @@ class ProtectedJob:
         self._unguarded.guarded(self.step_done)
         if self._session.interrupted:
             self._recover(Interrupted("a new generation arrived between steps"))
-        step = self.step_done + 1
-        if self.max_steps is not None and step > self.max_steps:
-            raise StopIteration
-        self._unguarded.unguarded()  # the loader's own collectives are outside too
-        batch = self.loader.next_batch() if self.loader is not None else None
+        while True:
+            step = self.step_done + 1
+            if self.max_steps is not None and step > self.max_steps:
+                raise StopIteration
+            batch, fault = self._next_batch()
+            if fault is None:
+                break
+            self._recover(fault)  # the restored loader gives the batch of the step after
+        self._unguarded.unguarded()
         self._current = step
         self._hooks.call("step_begin", step=step, batch=batch)
         return step, batch
+
+    def _next_batch(self) -> tuple[Any, BaseException | None]:
+        """The loader's next batch, or the fault its own collectives met (a loader that
+        broadcasts what rank 0 read, say): the loader runs inside the engine, under its guard."""
+        if self.loader is None:
+            return None, None
+        try:
+            return self.loader.next_batch(), None
+        except Exception as e:
+            if isinstance(e, ConfigurationError):
+                self._end_misconfigured(e)
+            if self._decide(e) is not Action.RECOVER:
+                raise
+            return None, without_frames(e)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

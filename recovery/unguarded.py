@@ -10,10 +10,10 @@ peers' memory.
 
 :class:`UnguardedCollectives` notices such collectives before any fault, from the default
 group's sequence number (every collective issued on a group advances it): marked whenever the
-job hands control to the loop's own code outside a guard (after a guard, before the loader
-makes the next batch), compared when the job has it back (the next step asked for, a guard
-entered). It warns once, on rank 0. What the loop must do is run every collective of an
-iteration inside the step's guard.
+job hands control to the loop's own code outside a guard (after a guard; after the loader made
+the next batch, which runs under the engine's own guard), compared when the job has it back (the
+next step asked for, a guard entered). It warns once, on rank 0. What the loop must do is run
+every collective of an iteration inside the step's guard.
 """
 
 from __future__ import annotations

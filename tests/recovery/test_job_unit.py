@@ -124,6 +124,50 @@ def test_a_fault_in_a_step_recovers_into_the_next_generation_and_rewinds(session
     assert rec.generation == 2 and rec.step_reached == 2
 
 
+class BroadcastingLoader:
+    """A loader with collectives of its own (rank 0 reads, the others receive): the one whose
+    ``next_batch`` is the n-th meets ``error`` there."""
+
+    def __init__(self, fail_at: int, error: BaseException) -> None:
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+
+    def next_batch(self) -> int:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return self.calls
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def set_world(self, world_size: int, rank: int) -> None:
+        pass
+
+
+def test_a_fault_in_the_loaders_own_collective_recovers_and_fetches_again(session):
+    session.next_generation.return_value = _info(2)
+    job, restore = _job(session, 1)
+    job.loader = BroadcastingLoader(3, RuntimeError(GLOO_PEER_CLOSED))
+    steps = _train(job, {})
+    # Step 3's batch was being made: restored to step 1, the loader is asked for step 2's.
+    assert steps == [1, 2, 2, 3, 4] and restore.generations == [2]
+    session.comms.abort.assert_called_once()
+    (rec,) = job.recoveries
+    assert rec.step_reached == 2
+
+
+def test_a_loaders_own_error_is_not_taken_for_a_fault(session):
+    job, _ = _job(session)
+    job.loader = BroadcastingLoader(2, ValueError("sample 17 is corrupt"))
+    with pytest.raises(ValueError, match="sample 17 is corrupt"):
+        _train(job, {})
+    session.next_generation.assert_not_called()
+    job._shutdown.assert_called()
+
+
 def _info_of(session) -> GenerationInfo:
     return session.next_generation.return_value
 
