@@ -434,14 +434,15 @@ def _inject_script(tmp_path, references, faults, *script_args):
 
 
 def test_inject_into_a_users_script_that_knows_nothing_of_it(capsys, tmp_path, references):
-    # Its dataset draws from the global generators as it is read, and an epoch ends in step 5:
-    # a recovery replays the draws of the batches after the restored step, spare included.
+    # Its dataset draws from the global generators as it is read, in two worker processes per
+    # rank, and an epoch ends in step 5: after a recovery the batches after the restored step
+    # are read again by new workers, the spare's included, with the same draws.
     faults = ("kill:rank=1@step=3:phase=backward", "kill:rank=2@step=5:phase=optimizer")
-    assert _inject_script(tmp_path, references, faults, "--lr", "0.02") == 0
+    assert _inject_script(tmp_path, references, faults, "--lr", "0.02", "--workers", "2") == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["bitwise_equal"] is True
     report = _report(tmp_path / "report")
-    assert report["job"]["script"].endswith("user_train.py --steps 6 --lr 0.02")
+    assert report["job"]["script"].endswith("user_train.py --steps 6 --lr 0.02 --workers 2")
     for fault in report["modes"]["checkpointless"]["faults"]:
         assert fault["downtime_s"] > 0 and set(fault["phases"]) >= {"detect", "plan", "transfer"}
     assert len(report["modes"]["checkpointless"]["faults"]) == len(faults)
@@ -452,7 +453,8 @@ def test_inject_into_a_users_script_that_knows_nothing_of_it(capsys, tmp_path, r
 
 
 def test_the_check_of_a_users_script_fails_when_its_run_is_corrupted(capsys, tmp_path, references):
-    assert _inject_script(tmp_path, references, ["bitflip:rank=0@step=2"], "--lr", "0.02") == 1
+    faults = ["bitflip:rank=0@step=2"]  # the same job as above: the fault-free run is shared
+    assert _inject_script(tmp_path, references, faults, "--lr", "0.02", "--workers", "2") == 1
     summary = json.loads(capsys.readouterr().out)
     assert summary["bitwise_equal"] is False
     assert "rank 0's final state differs" in summary["modes"]["checkpointless"]["differences"]

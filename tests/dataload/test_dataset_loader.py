@@ -1,6 +1,6 @@
 """``DatasetLoader``: a map-style dataset of the user's, with the cache loader's exactly-once order.
 
-Under faults, bitwise, with a dataset that augments from the global generators:
+Under faults, bitwise, with a dataset that augments from the global generators, read by workers:
 ``tests/test_bench_cli.py``'s runs of ``tests/scripts/user_train.py``.
 """
 
@@ -95,3 +95,51 @@ def test_what_cannot_be_rewound_is_refused_with_the_reason():
         DatasetLoader(Stream(), global_batch=2, world_size=1, rank=0)
     with pytest.raises(ValueError, match="no samples"):
         DatasetLoader([], global_batch=2, world_size=1, rank=0)
+
+
+class Augmented(Labelled):
+    """Sample ``i`` with noise from all three global generators, as augmentations draw it."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        import random
+
+        noise = torch.rand(3) + random.random() + float(np.random.rand())
+        return torch.full((3,), float(i)) + noise, i % 5
+
+
+def test_workers_read_the_same_samples_and_a_batch_read_again_is_the_same():
+    import multiprocessing
+    import random
+
+    children = set(multiprocessing.active_children())
+    plain = DatasetLoader(Labelled(30), global_batch=6, world_size=2, rank=1, seed=3)
+    ahead = DatasetLoader(Labelled(30), global_batch=6, world_size=2, rank=1, seed=3, num_workers=2)
+    for _ in range(7):  # across an epoch's end
+        assert _ids(ahead.next_batch()) == _ids(plain.next_batch())
+        assert ahead.last_ids.tolist() == plain.last_ids.tolist()
+    ahead.set_world(3, 2)  # a resize: new workers at the new place
+    plain.set_world(3, 2)
+    assert _ids(ahead.next_batch()) == _ids(plain.next_batch())
+    ahead.close()
+    assert set(multiprocessing.active_children()) <= children  # the workers are gone
+
+    generators = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())
+    loader = DatasetLoader(Augmented(30), global_batch=4, world_size=2, rank=0, num_workers=2)
+    first = [loader.next_batch()[0] for _ in range(6)]
+    assert not torch.equal(first[0], first[0].round())  # the noise is there
+    loader.load_state_dict({"seed": 0, "epoch": 0, "offset": 8})  # a restore to step 2
+    assert torch.equal(loader.next_batch()[0], first[2])
+    # Another worker count reads it alike: the generators are seeded per batch, not per worker.
+    other = DatasetLoader(Augmented(30), global_batch=4, world_size=2, rank=0, num_workers=1)
+    other.load_state_dict({"seed": 0, "epoch": 0, "offset": 12})
+    assert torch.equal(other.next_batch()[0], first[3])
+    for ld in (loader, other):
+        ld.close()
+    # The training process's generators were not drawn from (the engine restores those).
+    after = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())
+    assert torch.equal(after[0], generators[0]) and after[1:] == generators[1:]
+
+
+def test_bad_worker_settings_are_refused_naming_them():
+    with pytest.raises(ValueError, match="num_workers=-1 must be >= 0"):
+        DatasetLoader(Labelled(4), global_batch=2, world_size=1, rank=0, num_workers=-1)

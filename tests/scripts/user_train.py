@@ -3,8 +3,9 @@
 A small FSDP2 classifier over gloo fed from a ``torch.utils.data.Dataset`` of its own, as people
 write them: ``__getitem__`` returns a ``(features, label)`` pair and augments it with noise from
 torch's global generator and a flip from Python's ``random``; ``dataload.loader.DatasetLoader``
-collates the pairs as a ``DataLoader`` does. 150 samples in global batches of 32, so an epoch
-ends within a few steps and the next is drawn in another order. Cross-entropy with label
+collates the pairs as a ``DataLoader`` does, on the training thread or with ``--workers N`` in
+worker processes. 150 samples in global batches of 32, so an epoch ends within a few steps and
+the next is drawn in another order. Cross-entropy with label
 smoothing, dropout, AdamW, gradient clipping. ``--log-every N`` prints the loss averaged over
 the ranks (an ``all_reduce``) every N steps, inside the step's guard, or after it with
 ``--log-outside`` (the mistake the engine warns of).
@@ -64,13 +65,16 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--log-outside", action="store_true")
+    p.add_argument("--workers", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     random.seed(100 + rank)
-    loader = DatasetLoader(Points(150), global_batch=32, world_size=world, rank=rank, seed=7)
+    loader = DatasetLoader(
+        Points(150), global_batch=32, world_size=world, rank=rank, seed=7, num_workers=args.workers
+    )
     with p2p_state.protect(lambda: build(args.lr), loader=loader, max_steps=args.steps) as job:
         for step, (x, y) in job:
             logging = args.log_every and step % args.log_every == 0
