@@ -35,7 +35,7 @@ from bench.bench_reports import CheckError, CheckResult, GpuCheckReport, Replica
 from bench.errors import UsageError
 from bench.fault_runs import machine
 from bench.flags import MODEL_PRESETS, count
-from bench.report_dir import command_line, report_dir
+from bench.report_dir import command_line, finish_with_table, report_dir
 
 #: The project's root: the sub-runs are started from it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,13 +100,7 @@ def run(args: argparse.Namespace) -> int:
     report.not_measured = ["replication and recovery across machines (one machine here)"]
     if left_out:
         report.not_measured.append("left out: " + ", ".join(left_out))
-    _write_json(report, folder)
-    (folder / "report.md").write_text("# p2p-bench gpu-check\n\n```\n" + _table(report) + "\n```\n")
-    if args.json:
-        print(json.dumps({**report.to_json(), "report_dir": str(folder)}, default=str))
-    else:
-        print(_table(report))
-        print(f"  report: {folder / 'report.md'}")
+    finish_with_table(args, report.to_json(), _table(report), folder=folder)
     return 0 if report.passed else 1
 
 

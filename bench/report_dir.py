@@ -39,12 +39,17 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def finish_with_table(
-    args: argparse.Namespace, doc: dict[str, Any], table: str, *, markdown: bool = False
+    args: argparse.Namespace,
+    doc: dict[str, Any],
+    table: str,
+    *,
+    markdown: bool = False,
+    folder: Path | None = None,
 ) -> None:
     """Write ``report.json`` and ``report.md`` (the table: fenced as printed, or as it is when
-    it is ``markdown`` already), then print the table and where the report is, or with
-    ``--json`` one object: ``doc`` and ``report_dir``."""
-    folder = report_dir(args, args.command)
+    it is ``markdown`` already) into ``folder`` (default :func:`report_dir`), then print the
+    table and where the report is, or with ``--json`` one object: ``doc`` and ``report_dir``."""
+    folder = folder or report_dir(args, args.command)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     body = table if markdown else f"```\n{table}\n```"

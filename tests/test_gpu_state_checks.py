@@ -241,7 +241,14 @@ def faked_checks(monkeypatch, replication, kill):
 
 def _args(out, as_json: bool, only: str | None = None) -> argparse.Namespace:
     return argparse.Namespace(
-        mib=1, repeats=1, skip_tests=False, only=only, model="tiny", out_dir=str(out), json=as_json
+        command="gpu-check",
+        mib=1,
+        repeats=1,
+        skip_tests=False,
+        only=only,
+        model="tiny",
+        out_dir=str(out),
+        json=as_json,
     )
 
 
