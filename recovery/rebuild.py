@@ -229,10 +229,11 @@ class Rebuilder:
         if ckpt is None:
             return
         check_root(ckpt.root)
-        if not self._config.resume and complete_steps(ckpt.root):
+        steps = [] if self._config.resume else complete_steps(ckpt.root)
+        if steps:
             raise ConfigurationError(
                 f"the checkpoint directory {ckpt.root} already holds checkpoints of steps "
-                f"{complete_steps(ckpt.root)}: resume from them (p2p-run --resume) or give "
+                f"{steps}: resume from them (p2p-run --resume) or give "
                 "this job an empty directory"
             )
 

@@ -30,3 +30,27 @@ def test_a_remote_directory_is_left_to_the_first_save():
     import fsspec
 
     assert not fsspec.filesystem("memory").exists("/bucket/ckpt")
+
+
+def _rebuilder(root: str, resume: bool):
+    from unittest import mock
+
+    from recovery.checkpoint import CheckpointConfig
+    from recovery.config import RecoveryConfig
+    from recovery.rebuild import Rebuilder
+
+    config = RecoveryConfig(checkpoint=CheckpointConfig(root=root), resume=resume)
+    return Rebuilder(mock.Mock(), config, lambda: None, mock.Mock(), mock.Mock())
+
+
+def test_a_fresh_start_checks_the_root_then_refuses_another_runs_checkpoints(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigurationError, match="cannot be used"):
+        _rebuilder(str(tmp_path / "file" / "ckpt"), resume=False).check_fresh_start()
+    root = tmp_path / "ckpt"
+    _rebuilder(str(root), resume=False).check_fresh_start()  # made, and empty
+    (root / "step-4").mkdir()
+    (root / "step-4" / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigurationError, match=r"already holds checkpoints of steps \[4\]"):
+        _rebuilder(str(root), resume=False).check_fresh_start()
+    _rebuilder(str(root), resume=True).check_fresh_start()  # what a resumed job starts from
