@@ -546,9 +546,13 @@ class Membership:
         lost = f"rank(s) {sorted(self.vacant)} lost"
         if self.config.max_restarts == 0:
             return f"{lost} and --max-restarts is 0 (no recovery allowed)"
+        reached = (
+            "through its first step" if self.restart_mark < 0 else f"past step {self.restart_mark}"
+        )
         return (
-            f"{lost} again after {self.restarts} recoveries in a row that never got the "
-            f"training past step {self.restart_mark} (--max-restarts "
+            f"{lost} again after {self.restarts} "
+            f"{'recovery' if self.restarts == 1 else 'recoveries'} in a row that never got the "
+            f"training {reached} (--max-restarts "
             f"{self.config.max_restarts}): the failing rank's log says why; fix that, or "
             "raise --max-restarts"
         )

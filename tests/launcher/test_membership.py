@@ -398,6 +398,16 @@ def test_a_fault_that_repeats_on_every_recovery_stops_the_job_after_max_restarts
     assert "spare_assigned" not in names(out) and len(m.spares) == 3
 
 
+def test_a_fault_in_every_first_step_says_the_training_never_got_through_one():
+    m, _ = job(spares=5, max_restarts=1, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    m.exited("rank/1", 1, 1.0)  # before any step was replicated: the same bug, every time
+    (final,) = of(m.exited(m.ranks[1], 1, 2.0), SendGeneration)
+    assert "after 1 recovery in a row that never got the training through its first step" in (
+        final.generation.reason
+    )
+
+
 def test_faults_with_progress_between_them_are_recovered_without_limit():
     m, _ = job(spares=1, max_restarts=1, heartbeat_timeout_s=100.0)
     ack_all(m)
