@@ -15,7 +15,10 @@ from recovery.tracebacks import rank_prefix
 
 @pytest.fixture
 def hook_kept():
+    """The interpreter's own hook to start from (groups other tests made in this process
+    wrapped it already), and the hook as it was afterwards."""
     before = sys.excepthook
+    sys.excepthook = sys.__excepthook__
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
