@@ -34,7 +34,6 @@ from its peers before its first step.
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
 import os
 from collections.abc import Mapping
@@ -136,12 +135,6 @@ def init_process_group(
         backend=backend,
         lazy_gloo=_gloo_pairs_choice(os.environ.get(ENV_LAZY_GLOO, "")),
     )
-    # At exit, once the session is closed (atexit runs the last registered first), the objects
-    # still alive are frozen out of the interpreter's final cyclic collection: it would walk
-    # everything torch, the model and the optimizer made (0.7 s of CPU per process on the
-    # reference machine, at every rank's and spare's exit) only to run finalizers Python does
-    # not promise at exit. Every atexit handler, the user's and the libraries', still runs.
-    atexit.register(gc.freeze)
     atexit.register(session.close)
     if client_config is None:
         session.start_standalone()
