@@ -810,15 +810,20 @@ def main(argv: list[str] | None = None) -> int:
             ),
             on_end=functools.partial(_report_end, env_store=args.env_store),
         )
-        if coordinator is not None and code < 128:  # not stopped by a signal: it ends by itself
+        dropped = (
+            dropped_from_job(read_events(run_dir), args.node_rank)
+            if code == Exit.FINISHED
+            else None
+        )
+        if coordinator is not None and code < 128 and dropped is None:
+            # Not stopped by a signal, and the job ended: the coordinator ends by itself. (The
+            # standby of a node the job went on without is ended below, at once.)
             try:
                 coordinator.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 coordinator.terminate()
-        if code == Exit.FINISHED and (
-            reason := dropped_from_job(read_events(run_dir), args.node_rank)
-        ):
-            _say_dropped(reason)  # it heard so from the coordinator once it could again
+        if dropped is not None:
+            _say_dropped(dropped)  # it heard so from the coordinator once it could again
         return code
     except UsageError as e:
         print(f"p2p-run: error: {e}", file=sys.stderr)
