@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import lifetime
 from launcher.protocol import ENV_AGENT_PID, ENV_INJECT
 from recovery.phases import ANNOUNCED_PHASES
 
@@ -357,7 +358,8 @@ class Injector:
             flip_top_mantissa_bit(getattr(param, "_local_tensor", param))
         elif fault.kind == "kill-node":
             agent = int(os.environ.get(ENV_AGENT_PID, "0"))
-            if agent <= 1 or os.getppid() != agent:
+            # The agent is the parent, or the grandparent through the node's fork server.
+            if agent <= 1 or agent not in lifetime.ancestors()[:2]:
                 raise RuntimeError(f"{fault} needs a rank started by p2p-run's agent")
             os.kill(agent, signal.SIGKILL)  # the node's agent; its children die with it
             os.kill(os.getpid(), signal.SIGKILL)

@@ -35,6 +35,14 @@ import zmq
 from launcher import protocol
 from launcher.config import setting
 from launcher.events import EventLog
+from launcher.forkserver import (
+    ChildProcess,
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    split_python_command,
+    start_method,
+)
 from launcher.lifetime import die_with_parent
 from launcher.link import CoordinatorLinks
 from launcher.output import OutputConfig, Streams, error_file, read_error_file
@@ -82,6 +90,14 @@ class AgentConfig:
         help="once no coordinator is left, how long the ranks get to agree on a step and write "
         "its checkpoint before the node stops them, seconds (default {default})",
     )
+    start_method: str = setting(
+        "forkserver",
+        flag=("--start-method", "--start_method"),
+        type=start_method,
+        help="forkserver (default; fork is the same): the processes are forked from one "
+        "interpreter per node that imported torch once (docs/launcher.md); spawn: each starts "
+        "a fresh interpreter, as torchrun's",
+    )
     virtual_local_rank: bool = setting(
         False,
         flag=("--virtual-local-rank", "--virtual_local_rank"),
@@ -106,7 +122,7 @@ class _Child:
     role: str
     rank: int | None
     local_rank: int | None
-    proc: subprocess.Popen[bytes]
+    proc: ChildProcess
     pidfd: int
     channel: socket.socket
     """The agent's end of the child's local channel (``P2P_AGENT_FD``)."""
@@ -121,6 +137,8 @@ class _Child:
 
 #: How long a hello may go unanswered before it is sent again, on a fresh connection.
 _HELLO_RETRY_S = 2.0
+#: How long the fork server gets to import torch before the node does without it.
+_FORKSERVER_READY_S = 300.0
 #: How long an exit report is kept to be sent again to a coordinator that takes over.
 _EXITS_KEPT_S = 60.0
 
@@ -151,6 +169,11 @@ class Agent:
         self.children: dict[int, _Child] = {}
         self.streams = Streams(config.output, config.log_dir)
         self._spawned = 0
+        self.forkserver: ForkServer | None = None
+        """The node's fork server (:mod:`launcher.forkserver`); ``None``: each process starts
+        a fresh interpreter."""
+        self._entry: list[str] = []
+        """What a forked process runs: ``[script, args...]`` or ``["-m", module, args...]``."""
         self._signal: int | None = None
         self.env_store_port = 0
         """Port of torch's TCPStore when p2p-run was given ``--env-store`` (else 0)."""
@@ -182,8 +205,7 @@ class Agent:
         error_file: Path,
     ) -> dict[str, str]:
         cfg = self.config
-        env = dict(os.environ)
-        env.update(cfg.extra_env)
+        env = self._shared_env()
         world = cfg.nnodes * cfg.nproc_per_node
         host = cfg.coordinator.rsplit(":", 1)[0]
         env.update(
@@ -212,8 +234,6 @@ class Agent:
             # A plain env:// script joins the coordinator's TCPStore as a client: it outlives
             # any rank. Protected scripts rendezvous through the authenticated store instead.
             env.update(MASTER_PORT=str(self.env_store_port), TORCHELASTIC_USE_AGENT_STORE="True")
-        if cfg.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
         if rank is not None:
             env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), ROLE_RANK=str(rank))
         else:
@@ -225,6 +245,56 @@ class Agent:
             assert local_rank is not None
             env.update(LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=slot_device(local_rank))
         return env
+
+    def _shared_env(self) -> dict[str, str]:
+        """The environment every process of the node has (the fork server imports in it)."""
+        env = dict(os.environ)
+        env.update(self.config.extra_env)
+        if self.config.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does
+        return env
+
+    def _start_forkserver(self, wake_fd: int) -> bool:
+        """Start the node's fork server under ``--start-method forkserver``, where the command
+        allows it, and wait for its imports (before this node says hello: the coordinator
+        hears it from then on). ``False``: a signal came first."""
+        cfg = self.config
+        split = split_python_command(cfg.command) if cfg.start_method == "forkserver" else None
+        if split is None:
+            if cfg.start_method == "forkserver":
+                logger.debug(
+                    "%s is not `python [options] script.py` nor `python -m module`: each "
+                    "process starts a fresh interpreter",
+                    " ".join(cfg.command[:3]),
+                )
+            return True
+        interpreter, self._entry = split
+        started = time.monotonic()
+        try:
+            server = ForkServer(interpreter, self._shared_env())
+        except OSError as e:
+            logger.warning(
+                "the fork server could not start (%s): each process starts a fresh interpreter", e
+            )
+            return True
+        try:
+            while not server.wait_ready(started + _FORKSERVER_READY_S - time.monotonic(), wake_fd):
+                os.read(wake_fd, 4096)
+                if self._signal is not None:
+                    server.close()
+                    return False
+        except ForkServerError as e:
+            logger.warning("%s: each process starts a fresh interpreter", e)
+            server.close()
+            return True
+        self.forkserver = server
+        self.events.write(
+            "forkserver_ready",
+            pid=server.pid,
+            preloaded=server.preloaded,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        return True
 
     def _coordinators(self) -> str:
         """Every coordinator known now, the active one first (``P2P_COORDINATOR``)."""
@@ -246,10 +316,21 @@ class Agent:
         errors = error_file(self.config.log_dir, self.config.run_dir, name, identity)
         mine, theirs = socket.socketpair()
 
-        def popen(**streams: Any) -> subprocess.Popen[bytes]:
+        def popen(**streams: Any) -> ChildProcess:
+            env = self._env(identity, routing, role, rank, local_rank, theirs.fileno(), errors)
+            if self.forkserver is not None:
+                try:
+                    return self.forkserver.spawn(
+                        self._entry, env=env, pass_fds=(theirs.fileno(),), **streams
+                    )
+                except ForkServerError as e:
+                    logger.warning("%s: %s starts a fresh interpreter", e, identity)
+                    if self.forkserver.gone:  # its processes went with it
+                        self.forkserver.close()
+                        self.forkserver = None
             return subprocess.Popen(
                 list(self.config.command),
-                env=self._env(identity, routing, role, rank, local_rank, theirs.fileno(), errors),
+                env=env,
                 preexec_fn=die_with_parent(),
                 pass_fds=(theirs.fileno(),),
                 **streams,
@@ -264,7 +345,9 @@ class Agent:
         finally:
             theirs.close()
         mine.setblocking(False)
-        pidfd = os.pidfd_open(proc.pid)
+        # A forked process is the server's child: its pidfd came from the server, which took
+        # it before the process could be reaped (its pid alone could be reused by then).
+        pidfd = os.dup(proc.pidfd) if isinstance(proc, ForkedProcess) else os.pidfd_open(proc.pid)
         self.children[pidfd] = _Child(
             identity, routing, role, rank, local_rank, proc, pidfd, mine, name, errors
         )
@@ -403,6 +486,9 @@ class Agent:
             child.channel.close()
         self.children.clear()
         self.streams.close()
+        if self.forkserver is not None:
+            self.forkserver.close()
+            self.forkserver = None
 
     def _watch_streams(self, poller: zmq.Poller) -> list[int]:
         """Poll the children's pipes, and the consoles that have bytes waiting for them (the
@@ -447,6 +533,8 @@ class Agent:
             s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)
         }
         try:
+            if not self._start_forkserver(wake_r):
+                return self._interrupted()
             self.events.write("agent_hello", node=cfg.node_rank, coordinator=cfg.coordinator)
             first, early = self._await_welcome(
                 links,

@@ -190,12 +190,6 @@ class RunOptions:
         help="accepted as torchrun's and ignored, with a warning: an agent sees an exit at "
         "once (a pidfd per process), not at an interval",
     )
-    start_method: str | None = setting(
-        None,
-        flag=("--start-method", "--start_method"),
-        help="accepted as torchrun's and ignored, with a warning: every process is a program "
-        "of its own, as torchrun's spawn",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Flags that Slurm can also give default to None: "not given" must be told apart.
     add_flags(p, slurm.Flags, "nnodes", "nproc_per_node", "node_rank", "coordinator")
     add_flags(p, slurm.Flags, "rdzv_endpoint", "master_addr", "master_port", "standalone")
-    add_flags(p, RunOptions, "rdzv_backend", "rdzv_conf", "monitor_interval", "start_method")
+    add_flags(p, RunOptions, "rdzv_backend", "rdzv_conf", "monitor_interval")
+    add_flags(p, AgentConfig, "start_method")
     add_flags(p, RunOptions, "join_timeout_s", "print_config")
     add_flags(p, slurm.Flags, "spares")
     add_flags(p, AgentConfig, "heartbeat_interval_s", "virtual_local_rank")
@@ -325,10 +320,6 @@ def _torchrun_leftovers(args: argparse.Namespace) -> list[str]:
         ignored.append(
             f"--monitor-interval {args.monitor_interval:g} is ignored: an agent sees an exit at "
             "once"
-        )
-    if args.start_method is not None:
-        ignored.append(
-            f"--start-method {args.start_method} is ignored: every process is a program of its own"
         )
     return ignored
 

@@ -63,3 +63,18 @@ def alive(pid: int) -> bool:
             return not any(line.startswith("State:\tZ") for line in f)
     except FileNotFoundError:
         return False
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """The processes above ``pid`` (default: this one), its parent first."""
+    chain: list[int] = []
+    pid = os.getpid() if pid is None else pid
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # The command name, in parentheses, may hold spaces: the fields follow it.
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, IndexError, ValueError):
+            break
+        chain.append(pid)
+    return chain

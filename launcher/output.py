@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from launcher.config import setting
+from launcher.forkserver import ChildProcess
 
 #: Where torchrun reads its console prefix template from.
 LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -375,11 +376,11 @@ class Streams:
         self,
         name: str,
         local_rank: int,
-        popen: Callable[..., subprocess.Popen[bytes]],
+        popen: Callable[..., ChildProcess],
         *,
         rank: int | None = None,
         movable: bool = False,
-    ) -> subprocess.Popen[bytes]:
+    ) -> ChildProcess:
         """Start process ``name`` with ``popen(stdout=..., stderr=...)``, its streams routed.
 
         Args:

@@ -179,6 +179,7 @@ class LocalJob:
     def all_pids(self) -> list[int]:
         """Every process of the job this machine knows of."""
         pids = [e["pid"] for e in self.events("process_started")]
+        pids += [e["pid"] for e in self.events("forkserver_ready")]
         info = self.coordinator_info()
         return pids + ([info["pid"]] if info else []) + [n.pid for n in self.nodes]
 

@@ -54,6 +54,9 @@ class Job(LocalJob):
         script: str = WORKER,
         env=None,
     ):
+        if script == WORKER and "--import-torch" not in extra:
+            # The worker imports no torch: a node's fork server would import it for nothing.
+            launcher_args = ["--start-method", "spawn", *launcher_args]
         super().__init__(
             run_dir,
             nnodes=nnodes,
