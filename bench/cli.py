@@ -30,6 +30,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
         "bench.data_bench",
         "time to a replacement rank's first batch from the node cache vs. from the source",
     ),
+    "start": (
+        "bench.start_bench",
+        "how soon a rank or a spare has its imports done: fresh interpreter vs. fork server",
+    ),
     "rendezvous": (
         "bench.rendezvous_bench",
         "one gloo group's rendezvous through the store at 256-2,048 members: torch's way and ours",

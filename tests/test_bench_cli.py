@@ -52,6 +52,15 @@ def test_data_bench(capsys, tmp_path):
     assert r["first_batch_from_cache_s"] > 0 and r["samples"] > 0
 
 
+def test_start_bench(capsys, tmp_path):
+    r = _run(capsys, "start", "--processes", "1", "--out-dir", str(tmp_path / "r"), "--json")
+    for way in ("spawn", "forkserver"):
+        assert r[way]["all_ready_s"] > 0 and r[way]["one_ready_s"] > 0
+        assert r[way]["cpu_s_per_process"] > 0
+    assert r["forkserver"]["server_ready_s"] > 0 and r["processes"] == 1
+    assert r["one_ready_speedup"] == r["spawn"]["one_ready_s"] / r["forkserver"]["one_ready_s"]
+
+
 def test_control_plane_bench(capsys, tmp_path):
     r = _run(
         capsys,
