@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import types
+import warnings
 from typing import Any
 
 _MAX_MESSAGE_BYTES = 4 << 20
@@ -149,7 +150,11 @@ def _fork(sock: socket.socket, data: bytes, fds: list[int], wake: tuple[int, int
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of fork() in a process with threads: torch's import leaves one,
+            # idle on a futex, that the child neither inherits nor needs.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
     except OSError as e:  # out of processes or memory: this request fails, the server serves on
         pid = -1
         _send(sock, {"refused": f"fork failed: {e}", "id": request})
