@@ -240,6 +240,10 @@ def _main_module(path: str | None) -> types.ModuleType:
 def _run(entry: list[str]) -> None:
     """Run ``entry`` as ``python [options] *entry`` runs it."""
     prepend = not (sys.flags.isolated or getattr(sys.flags, "safe_path", False))
+    orig = getattr(sys, "orig_argv", None)  # Python 3.10+: the interpreter's own command line
+    if orig is not None:
+        server = next(i for i, a in enumerate(orig) if os.path.realpath(a) == _THIS)
+        sys.orig_argv = [*orig[:server], *entry]
     if entry[0] == "-m":
         sys.argv = ["-m", *entry[2:]]
         if prepend:

@@ -25,6 +25,7 @@ import json, os, random, sys
 import numpy as np
 doc = {
     "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
     "path0": sys.path[0],
     "globals": sorted(globals()),
     "name": __name__,
