@@ -203,6 +203,9 @@ class Membership:
         """When the pending generation started."""
         self.vacant: dict[int, str] = {}
         """Lost ranks not replaced yet -> the identity they had."""
+        self.last_error: tuple[str, str] | None = None
+        """The last process whose exit came with a recorded exception, and that exception:
+        named when the job stops because the same rank keeps failing."""
         self.vacant_since: dict[int, float] = {}
         self.notified: set[int] = set()
         """Vacant ranks whose fault the live ranks were already told about."""
@@ -331,6 +334,8 @@ class Membership:
         (torchrun's error file): it ends the reason given for its loss.
         """
         exit_ = f"exited with code {code}" + (f" ({error})" if error else "")
+        if error and code != 0:
+            self.last_error = (identity, error)
         proc = self.procs.get(identity)
         if proc is None:
             if identity in self.gone or rank is None or self.ended:
@@ -549,12 +554,16 @@ class Membership:
         reached = (
             "through its first step" if self.restart_mark < 0 else f"past step {self.restart_mark}"
         )
+        why = "the failing rank's log says why"
+        if self.last_error is not None and self.last_error[0] in self.vacant.values():
+            identity, error = self.last_error
+            rank = next(r for r, i in self.vacant.items() if i == identity)
+            why = f"rank {rank} ({identity}) failed with {error}"
         return (
             f"{lost} again after {self.restarts} "
             f"{'recovery' if self.restarts == 1 else 'recoveries'} in a row that never got the "
-            f"training {reached} (--max-restarts "
-            f"{self.config.max_restarts}): the failing rank's log says why; fix that, or "
-            "raise --max-restarts"
+            f"training {reached} (--max-restarts {self.config.max_restarts}): {why}; fix that, "
+            "or raise --max-restarts"
         )
 
     def _replace(self, assignments: dict[int, str], now: float) -> list[Decision]:

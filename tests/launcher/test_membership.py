@@ -406,6 +406,22 @@ def test_a_fault_in_every_first_step_says_the_training_never_got_through_one():
     assert "after 1 recovery in a row that never got the training through its first step" in (
         final.generation.reason
     )
+    assert "the failing rank's log says why" in final.generation.reason  # it recorded nothing
+
+
+def test_the_exception_a_failing_rank_recorded_is_named_when_the_job_stops():
+    m, _ = job(spares=5, max_restarts=1, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    m.exited("rank/1", 1, 1.0, error="ValueError: bad lr")
+    spare = m.ranks[1]
+    (final,) = of(m.exited(spare, 1, 2.0, error="ValueError: bad lr"), SendGeneration)
+    assert f"rank 1 ({spare}) failed with ValueError: bad lr; fix that" in final.generation.reason
+    # An error recorded by a process that is not among the lost ones names nothing.
+    m, _ = job(spares=5, max_restarts=1, heartbeat_timeout_s=100.0)
+    ack_all(m)
+    m.exited("rank/1", 1, 1.0, error="ValueError: bad lr")
+    (final,) = of(m.exited(m.ranks[1], -9, 2.0), SendGeneration)
+    assert "the failing rank's log says why" in final.generation.reason
 
 
 def test_faults_with_progress_between_them_are_recovered_without_limit():

@@ -29,6 +29,8 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,22 @@ def test_checkpoints_complete_under_frequent_faults_and_serve_a_total_loss(tmp_p
     restored = {e["step"] for e in from_checkpoint}
     # Each mode of the bench checkpoints in a folder of its own under --checkpoint-dir.
     assert restored <= set(complete_steps(str(ckpt / "checkpointless"))) and min(restored) >= 5
+
+
+def test_a_bug_of_the_script_ends_the_job_with_its_error_named(tmp_path):
+    # No @record in the script: the engine records the error where torchrun's would, and
+    # p2p-run names it when the ranks exit and when the job ends.
+    script = Path(__file__).resolve().parents[1] / "scripts" / "user_train.py"
+    run = [sys.executable, "-m", "launcher.cli", "--run-dir", str(tmp_path / "run")]
+    flags = ["--standalone", "--nproc-per-node", "2", "--spares", "1", "--max-restarts", "1"]
+    r = subprocess.run(
+        [*run, *flags, str(script), "--steps", "6", "--bug-at", "3"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    err = r.stderr.decode()
+    cause = "ValueError: the loss scale is not set (step 3)"
+    assert f"exited with code 1: {cause} (traceback: " in err
+    (last,) = [line for line in err.splitlines() if line.startswith("p2p-run: the job failed")]
+    assert cause in last and "--max-restarts 1" in last

@@ -8,7 +8,8 @@ worker processes. 150 samples in global batches of 32, so an epoch ends within a
 the next is drawn in another order. Cross-entropy with label
 smoothing, dropout, AdamW, gradient clipping. ``--log-every N`` prints the loss averaged over
 the ranks (an ``all_reduce``) every N steps, inside the step's guard, or after it with
-``--log-outside`` (the mistake the engine warns of).
+``--log-outside`` (the mistake the engine warns of). ``--bug-at N`` raises a ``ValueError`` on
+every rank in step N: a bug of the script's, the same however often it is run.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--log-outside", action="store_true")
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--bug-at", type=int, default=-1)
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
@@ -81,6 +83,8 @@ def main() -> None:
             with job.step():
                 loss = F.cross_entropy(job.model(x), y, label_smoothing=0.1)
                 loss.backward()
+                if step == args.bug_at:
+                    raise ValueError(f"the loss scale is not set (step {step})")
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=1.0)
                 job.optimizer.step()
                 job.optimizer.zero_grad()
