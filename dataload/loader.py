@@ -18,6 +18,10 @@ exactly-once sampler and position.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import functools
+import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -278,6 +282,7 @@ class DatasetLoader(_StepSampled):
                 timeout=self.timeout_s,
                 # The base seed is drawn from here, not from the training process's generator.
                 generator=torch.Generator().manual_seed(self.state.seed),
+                worker_init_fn=functools.partial(_end_with_rank, os.getpid()),
             )
         )
 
@@ -328,6 +333,19 @@ class _SeededBatches(Dataset[Any]):
         random.seed(seed)
         np.random.seed(seed % 2**32)
         return self.collate_fn([self.dataset[i] for i in ids])
+
+
+def _end_with_rank(rank_pid: int, worker_id: int) -> None:
+    """In a worker: end the moment the rank that started it does, however it ends. torch's
+    workers see their parent gone only at their next 5 s check; a worker of a SIGKILLed rank
+    would meanwhile hold the node's CPU and memory while a spare takes the rank over."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != rank_pid:  # the rank died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+#: ``prctl``'s request to be signalled when the parent thread ends (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
 
 
 def _as_is(batch: Any) -> Any:

@@ -6,6 +6,11 @@ Under faults, bitwise, with a dataset that augments from the global generators, 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from dataload.cache import CacheConfig, open_source
 from dataload.loader import DatasetLoader, ResumableLoader
 from dataload.sources import TokenFileSource
+from launcher.lifetime import alive
+from tests.jobs import wait_for
 
 
 class Labelled(Dataset):
@@ -143,3 +150,32 @@ def test_workers_read_the_same_samples_and_a_batch_read_again_is_the_same():
 def test_bad_worker_settings_are_refused_naming_them():
     with pytest.raises(ValueError, match="num_workers=-1 must be >= 0"):
         DatasetLoader(Labelled(4), global_batch=2, world_size=1, rank=0, num_workers=-1)
+
+
+def test_the_workers_of_a_rank_that_is_sigkilled_end_with_it(tmp_path):
+    # A rank reading with workers, SIGKILLed: its workers must not read on for the seconds
+    # torch's own check of their parent takes (up to 5 s).
+    code = textwrap.dedent(
+        """
+        import sys, time
+        from tests.dataload.test_dataset_loader import Augmented
+        from dataload.loader import DatasetLoader
+        loader = DatasetLoader(Augmented(30), global_batch=4, world_size=1, rank=0, num_workers=2)
+        loader.next_batch()
+        print(*[w.pid for w in loader._workers._workers], flush=True)
+        time.sleep(120)
+        """
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    try:
+        workers = [int(pid) for pid in rank.stdout.readline().split()]
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
+        rank.kill()
+        rank.wait(30)
+        # Well under the 5 s torch's check would take: the kernel ends them with the rank.
+        wait_for(lambda: not any(alive(pid) for pid in workers), "the workers to end", 2.5)
+    finally:
+        rank.kill()
+        rank.stdout.close()
