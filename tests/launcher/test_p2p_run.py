@@ -67,11 +67,19 @@ def test_losing_a_nodes_agent_loses_its_ranks(start_job):
     job.wait_event("generation_complete", generation=2)
 
 
-def test_ctrl_c_leaves_no_process_behind(start_job):
-    job = start_job(spares=(1, 1))
+#: The worker as is (spawned: it imports no torch), or importing torch (forked from each node's
+#: fork server, which must go with the rest).
+START_METHODS = pytest.mark.parametrize(
+    "extra", [[], ["--import-torch"]], ids=["spawn", "forkserver"]
+)
+
+
+@START_METHODS
+def test_ctrl_c_leaves_no_process_behind(start_job, extra):
+    job = start_job(spares=(1, 1), extra=extra)
     job.wait_event("generation_complete", generation=1)
     pids = job.all_pids()
-    assert len(pids) >= 2 + 4 + 2
+    assert len(pids) >= 2 + 4 + 2 + (2 if extra else 0)
     for node in job.nodes:
         node.send_signal(signal.SIGINT)
     codes = [n.wait(timeout=30) for n in job.nodes]
@@ -79,7 +87,8 @@ def test_ctrl_c_leaves_no_process_behind(start_job):
     wait_for(lambda: not any(alive(p) for p in pids), "every process of the job to exit", 15)
 
 
-def test_a_job_ends_with_the_process_that_started_it_even_when_that_is_sigkilled(tmp_path):
+@START_METHODS
+def test_a_job_ends_with_the_process_that_started_it_even_when_that_is_sigkilled(tmp_path, extra):
     # A test or a bench that dies without cleaning up (SIGKILL, the OOM killer, a CI timeout)
     # leaves no job behind: the kernel sends its p2p-run nodes SIGTERM (PR_SET_PDEATHSIG).
     owner = subprocess.Popen(
@@ -87,8 +96,9 @@ def test_a_job_ends_with_the_process_that_started_it_even_when_that_is_sigkilled
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from tests.jobs import Job; "
-            "Job(Path(sys.argv[1]), 2, 2, (1, 0), []); time.sleep(300)",
+            "Job(Path(sys.argv[1]), 2, 2, (1, 0), sys.argv[2:]); time.sleep(300)",
             str(tmp_path),
+            *extra,
         ],
         cwd=Path(__file__).resolve().parents[2],
         start_new_session=True,  # what a failure leaves behind goes with the group below
