@@ -26,6 +26,7 @@ it is losing the node, as losing the agent is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -350,18 +351,24 @@ class ForkServer:
         """The exit code of ``pid``, which has ended, once the server reports it (``None``:
         not by ``deadline``). A server that is gone reports nothing more: its children died
         with it, by the SIGKILL it leaves them."""
-        while pid not in self._exits:
+        while pid not in self._exits and not self._closed:
             try:
                 self._receive(deadline, f"the exit of process {pid}")
             except ForkServerError:
-                return -signal.SIGKILL if self._gone else None
-        return self._exits.pop(pid)
+                if not self._gone:
+                    return None
+                break
+        return self._exits.pop(pid, -signal.SIGKILL)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the server: it exits when its socket closes (its children should be gone by
-        now); SIGKILL after ``timeout_s``."""
+        """End the server: it exits when its socket closes, and any process it forked that
+        still runs dies with it; SIGKILL after ``timeout_s``. The exits it reported until
+        then are kept for :meth:`exit_code`."""
         if self._closed:
             return
+        with contextlib.suppress(ForkServerError):
+            while not self._gone and select.select([self._sock], [], [], 0)[0]:
+                self._receive(None, "the exits it reported")
         self._closed = True
         self._sock.close()
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -289,3 +290,22 @@ def test_a_process_started_for_a_request_given_up_on_is_killed(server, tmp_path)
         return [c for t in tasks.iterdir() for c in (t / "children").read_text().split()]
 
     wait_for(lambda: not children(), "the server's children to be gone", 30)
+
+
+def test_exits_reported_before_the_server_was_closed_are_kept(tmp_path):
+    fs = ForkServer([PY], dict(os.environ), preload=[])
+    try:
+        assert fs.wait_ready(60)
+        (tmp_path / "three.py").write_text("import sys\nsys.exit(3)\n")
+        (tmp_path / "wait.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+        done = fs.spawn([str(tmp_path / "three.py")], env=dict(os.environ))
+        running = fs.spawn(
+            [str(tmp_path / "wait.py")], env=dict(os.environ), stdout=subprocess.PIPE
+        )
+        assert running.stdout.readline() == b"up\n"
+        wait_for(lambda: select.select([fs._sock], [], [], 0)[0], "the first exit report")
+    finally:
+        fs.close()
+    assert done.wait(30) == 3  # reported before the close
+    assert running.wait(30) == -signal.SIGKILL  # died with the server
+    running.stdout.close()

@@ -349,3 +349,28 @@ def test_a_node_declared_lost_while_it_ran_leaves_with_code_0_and_the_job_goes_o
     log = (job.run_dir / "p2p-run-1.log").read_text()
     assert "this node was declared lost" in log and "the job went on without it" in log
     assert job.stop() == [0, 0]
+
+
+def test_a_fork_server_that_dies_is_the_loss_of_its_nodes_processes_and_the_node_spawns_on(
+    start_job,
+):
+    # Its ranks and spare die with it (they are its children); the agent lives on, reports
+    # them, and starts the spares it is asked for with a fresh interpreter each.
+    job = start_job(spares=(1, 1), extra=["--import-torch"])
+    job.wait_event("generation_complete", generation=1)
+    (server,) = job.events("forkserver_ready", source="agent/1")
+    node1 = [e["pid"] for e in job.events("process_started", source="agent/1")]
+    os.kill(server["pid"], signal.SIGKILL)
+    for identity in ("rank/1/1", "rank/1/2", "spare/1/3"):
+        (exited,) = job.wait_event("process_exited", identity=identity, source="agent/1")
+        assert exited["code"] == -signal.SIGKILL
+
+    def recovered():  # in one generation or two: the three exits may come together or apart
+        last_fault = max(e["t"] for e in job.events("fault"))
+        return any(e["t"] > last_fault for e in job.events("generation_complete"))
+
+    wait_for(recovered, "a generation formed after the losses")
+    wait_for(lambda: not any(alive(p) for p in node1), "node 1's forked processes to be gone")
+    later = [e for e in job.events("process_started", source="agent/1") if e["pid"] not in node1]
+    assert later and all(alive(e["pid"]) for e in later)  # spawned, not forked from the dead one
+    assert job.stop() == [0, 0]
