@@ -62,10 +62,13 @@ START_METHODS = ("forkserver", "spawn", "fork")
 
 #: How long the server gets to import :data:`PRELOAD`.
 _READY_TIMEOUT_S = 300.0
-#: How long a fork request may go unanswered.
-_REPLY_TIMEOUT_S = 30.0
-#: How long an exit the pidfd shows may go unreported by the server (it reaps on SIGCHLD).
-_EXIT_REPORT_TIMEOUT_S = 10.0
+# Both waits below run in the agent's event loop, which also sends the node's heartbeats: each
+# stays well under the 3 s after which a silent node is lost (--heartbeat-timeout's default).
+# Both take milliseconds from a server that runs; one that hangs costs a second per process.
+#: How long a fork request may go unanswered (the process is then spawned fresh instead).
+_REPLY_TIMEOUT_S = 1.0
+#: How long an exit the pidfd shows may go unreported by the server (counted as code 1 then).
+_EXIT_REPORT_TIMEOUT_S = 1.0
 
 _INTERPRETER = re.compile(r"python(\d+(\.\d+)*)?")
 #: Interpreter options that take no argument (several may share one dash: ``-uB``).
@@ -246,7 +249,7 @@ class ForkServer:
         ``PIPE`` or a file) and ``pass_fds``; ``env`` is its whole environment.
 
         Raises:
-            ForkServerError: The server refused, or did not answer within 30 s.
+            ForkServerError: The server refused, or did not answer within 1 s.
         """
         assert self.ready, "wait_ready() first"
         sent: list[int] = []  # descriptors sent, in the order of targets

@@ -309,3 +309,25 @@ def test_exits_reported_before_the_server_was_closed_are_kept(tmp_path):
     assert done.wait(30) == 3  # reported before the close
     assert running.wait(30) == -signal.SIGKILL  # died with the server
     running.stdout.close()
+
+
+def test_a_hung_server_costs_a_second_per_process_not_the_nodes_heartbeats(tmp_path, caplog):
+    # The agent waits on the server in its event loop, which also sends the node's heartbeats.
+    fs = ForkServer([PY], dict(os.environ), preload=[])
+    try:
+        assert fs.wait_ready(60)
+        (tmp_path / "wait.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+        running = fs.spawn(
+            [str(tmp_path / "wait.py")], env=dict(os.environ), stdout=subprocess.PIPE
+        )
+        assert running.stdout.readline() == b"up\n"
+        os.kill(fs.pid, signal.SIGSTOP)
+        with pytest.raises(ForkServerError, match="did not report the process it started in time"):
+            fs.spawn([str(tmp_path / "wait.py")], env=dict(os.environ))
+        running.kill()
+        assert running.wait(30) == 1  # its exit went unreported: counted as a failure
+        assert "did not report the exit code" in caplog.text
+        running.stdout.close()
+    finally:
+        os.kill(fs.pid, signal.SIGCONT)
+        fs.close()
