@@ -651,6 +651,9 @@ class Agent:
             channels = {c.channel.fileno(): c for c in self.children.values() if not c.heard_all}
             for fd in channels:
                 poller.register(fd, zmq.POLLIN)
+            server = self.forkserver.fileno() if self.forkserver is not None else -1
+            if server >= 0:
+                poller.register(server, zmq.POLLIN)
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
             ready = poller.poll(int(timeout_ms))
             # What a child said on its channel goes before the output it wrote after saying it
@@ -659,6 +662,8 @@ class Agent:
             for item, _ in ready:
                 if item == wake_r:
                     os.read(wake_r, 4096)
+                elif item == server and self.forkserver is not None:
+                    self.forkserver.drain()  # exit reports, a late answer's process killed
                 elif item in self.children:
                     self._reap(item)
                 elif self._serve_stream(item, consoles):

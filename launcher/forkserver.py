@@ -178,6 +178,7 @@ class ForkServer:
     ) -> None:
         self.interpreter = list(interpreter)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(_REPLY_TIMEOUT_S)  # reads wait in select(): this bounds sends
         script = _forkserver_main.__file__
         try:
             self._proc = subprocess.Popen(
@@ -286,6 +287,8 @@ class ForkServer:
             }
             try:
                 socket.send_fds(self._sock, [json.dumps(request).encode()], sent)
+            except TimeoutError:  # a server that reads nothing, its socket's buffer full
+                raise ForkServerError("the fork server did not take the request in time") from None
             except OSError as e:
                 self._gone = True
                 raise ForkServerError(f"the fork server is gone ({e})") from None
@@ -309,20 +312,36 @@ class ForkServer:
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
         while True:
             doc, fds = self._receive(deadline, "the process it started")
-            mine = doc.get("id") == request
-            if "started" in doc and fds:
-                if mine:
+            if doc.get("id") == request:
+                if "started" in doc and fds:
                     for fd in fds[1:]:
                         os.close(fd)
                     return int(doc["started"]), fds[0]
-                # Started for a request given up on (no answer in time): nobody manages it.
-                signal.pidfd_send_signal(fds[0], signal.SIGKILL)
-            for fd in fds:
-                os.close(fd)
-            if "refused" in doc and mine:
+                for fd in fds:
+                    os.close(fd)
                 raise ForkServerError(
-                    f"the fork server refused to start a process: {doc['refused']}"
+                    f"the fork server refused to start a process: {doc.get('refused')}"
                 )
+            self._unasked(doc, fds)
+
+    def _unasked(self, doc: dict[str, Any], fds: list[int]) -> None:
+        """A message no request waits for: an exit report (kept by :meth:`_receive`), or the
+        answer to a request given up on, whose process nobody manages: it is killed."""
+        if "started" in doc and fds:
+            signal.pidfd_send_signal(fds[0], signal.SIGKILL)
+        for fd in fds:
+            os.close(fd)
+
+    def fileno(self) -> int:
+        """The socket to the server, readable when it has said something (:meth:`drain`);
+        -1 once it is closed or gone (at its end of file it would always be readable)."""
+        return -1 if self._closed or self._gone else self._sock.fileno()
+
+    def drain(self) -> None:
+        """Read what the server said unasked, without waiting."""
+        with contextlib.suppress(ForkServerError):
+            while not self._gone and select.select([self._sock], [], [], 0)[0]:
+                self._unasked(*self._receive(None, "anything"))
 
     def _receive(
         self, deadline: float | None, waiting_for: str
@@ -369,9 +388,7 @@ class ForkServer:
         then are kept for :meth:`exit_code`."""
         if self._closed:
             return
-        with contextlib.suppress(ForkServerError):
-            while not self._gone and select.select([self._sock], [], [], 0)[0]:
-                self._receive(None, "the exits it reported")
+        self.drain()
         self._closed = True
         self._sock.close()
         try:

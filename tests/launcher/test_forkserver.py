@@ -328,6 +328,35 @@ def test_a_hung_server_costs_a_second_per_process_not_the_nodes_heartbeats(tmp_p
         assert running.wait(30) == 1  # its exit went unreported: counted as a failure
         assert "did not report the exit code" in caplog.text
         running.stdout.close()
+        # Requests it never reads fill its socket: a send then gives up too, never blocks.
+        env = {**os.environ, "LARGE": "x" * 60_000}
+        errors = []
+        for _ in range(8):
+            try:
+                fs.spawn([str(tmp_path / "wait.py")], env=env)
+            except ForkServerError as e:
+                errors.append(str(e))
+            if "did not take the request in time" in errors[-1]:
+                break
+        assert "did not take the request in time" in errors[-1], errors
     finally:
         os.kill(fs.pid, signal.SIGCONT)
         fs.close()
+
+
+def test_a_late_answer_read_in_passing_has_its_process_killed(tmp_path):
+    # What the agent's event loop does when the server's socket is readable: exit reports are
+    # kept, the process of an answer nobody waits for is killed at once.
+    fs = ForkServer([PY], dict(os.environ), preload=[])
+    try:
+        assert fs.wait_ready(60)
+        (tmp_path / "wait.py").write_text("import time\ntime.sleep(60)\n")
+        spec = {"id": -1, "entry": [str(tmp_path / "wait.py")], "env": {}, "cwd": "/", "fds": []}
+        fs._sock.send(json.dumps({"spawn": spec}).encode())
+        wait_for(lambda: select.select([fs.fileno()], [], [], 0)[0], "the answer")
+        fs.drain()
+        wait_for(lambda: fs.drain() or fs._exits, "the unmanaged process's exit report")
+        assert list(fs._exits.values()) == [-signal.SIGKILL]
+    finally:
+        fs.close()
+    assert fs.fileno() == -1
