@@ -128,7 +128,12 @@ class ProtectedJob:
         self._rebuild = Rebuilder(session, self.config, build, self._copies, self._hooks)
         self._current: int | None = None
         """The step the iterator yielded and whose guard has not ended yet."""
-        self._unguarded = UnguardedCollectives()
+        self._unguarded = UnguardedCollectives(self._engine_groups)
+
+    def _engine_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups the engine made for this generation (not the default one)."""
+        comms = self._session.comms
+        return [] if comms is None else list(comms.groups.values())
 
     # -- public --------------------------------------------------------------------------------
 

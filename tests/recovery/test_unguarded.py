@@ -48,3 +48,19 @@ def test_the_collectives_of_a_recovery_are_not_the_loops(world_of_one, tmp_path,
     with caplog.at_level(logging.WARNING, logger="recovery.unguarded"):
         watch.guarded(5)
     assert watch.seen_after is None and not caplog.text
+
+
+def test_a_group_of_the_loops_own_is_watched_and_the_engines_are_not(world_of_one, caplog):
+    # A mesh's sub-group or a logging group the loop made counts as the default group does;
+    # the engine's replication groups are busy on their own thread between the guards.
+    loops, engines = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    watch = UnguardedCollectives(lambda: [engines])
+    with caplog.at_level(logging.WARNING, logger="recovery.unguarded"):
+        watch.unguarded()
+        dist.all_reduce(torch.ones(2), group=engines)
+        watch.guarded(1)
+        assert watch.seen_after is None and not caplog.text
+        watch.unguarded()
+        dist.all_reduce(torch.ones(2), group=loops)
+        watch.guarded(2)
+        assert watch.seen_after == 2 and "after step 2 outside" in caplog.text

@@ -8,7 +8,8 @@ worker processes. 150 samples in global batches of 32, so an epoch ends within a
 the next is drawn in another order. Cross-entropy with label
 smoothing, dropout, AdamW, gradient clipping. ``--log-every N`` prints the loss averaged over
 the ranks (an ``all_reduce``) every N steps, inside the step's guard, or after it with
-``--log-outside`` (the mistake the engine warns of). ``--bug-at N`` raises a ``ValueError`` on
+``--log-outside`` (the mistake the engine warns of), over a group ``build`` makes with
+``--log-group``. ``--bug-at N`` raises a ``ValueError`` on
 every rank in step N: a bug of the script's, the same however often it is run.
 """
 
@@ -48,7 +49,15 @@ class Points(Dataset):
         return x, int(self.labels[i])
 
 
-def build(lr: float):
+#: The group the loss is averaged over for the log: the default one, or with ``--log-group`` one
+#: ``build`` makes (as a job that logs over its data-parallel sub-group does).
+LOG_GROUP: dist.ProcessGroup | None = None
+
+
+def build(lr: float, log_group: bool = False):
+    global LOG_GROUP
+    if log_group:
+        LOG_GROUP = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 64),
@@ -66,6 +75,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--log-every", type=int, default=0)
     p.add_argument("--log-outside", action="store_true")
+    p.add_argument("--log-group", action="store_true")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--bug-at", type=int, default=-1)
     args = p.parse_args()
@@ -77,7 +87,9 @@ def main() -> None:
     loader = DatasetLoader(
         Points(150), global_batch=32, world_size=world, rank=rank, seed=7, num_workers=args.workers
     )
-    with p2p_state.protect(lambda: build(args.lr), loader=loader, max_steps=args.steps) as job:
+    with p2p_state.protect(
+        lambda: build(args.lr, args.log_group), loader=loader, max_steps=args.steps
+    ) as job:
         for step, (x, y) in job:
             logging = args.log_every and step % args.log_every == 0
             with job.step():
@@ -96,7 +108,7 @@ def main() -> None:
 
 def log(step: int, loss: torch.Tensor) -> None:
     mean = loss.detach().clone()
-    dist.all_reduce(mean)
+    dist.all_reduce(mean, group=LOG_GROUP)
     if dist.get_rank() == 0:
         print(f"step {step}: loss {mean.item() / dist.get_world_size():.4f}", flush=True)
 
