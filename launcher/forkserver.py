@@ -199,7 +199,7 @@ class ForkServer:
         self._requests = 0
         self._closed = False
         self._gone = False
-        """The server closed its end: it reports nothing more."""
+        """The server closed its end, or its socket failed: it reports nothing more."""
 
     def wait_ready(self, timeout_s: float = _READY_TIMEOUT_S, wake_fd: int | None = None) -> bool:
         """Wait until the server has imported its modules. ``False``: ``wake_fd`` became
@@ -216,7 +216,7 @@ class ForkServer:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise ForkServerError(
-                    f"the fork server did not import torch within {timeout_s:.0f}s"
+                    f"the fork server did not finish its imports within {timeout_s:.0f}s"
                 )
             waiter = select.poll()
             waiter.register(self._sock, select.POLLIN)
