@@ -14,12 +14,13 @@ import inspect
 import logging
 import random
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from p2p_state.layout import StateLayout, dtype_from_name
@@ -239,6 +240,19 @@ def _copy_scalar(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
+def _reshard(modules: Sequence[FSDPModule]) -> None:
+    """Register the sharded parameters of FSDP2 ``modules`` (no collective).
+
+    A forward pass without a backward (an evaluation under ``no_grad()``) leaves the modules that
+    do not reshard after forward (the root, by FSDP2's default, or every module with
+    ``reshard_after_forward=False``) unsharded until their next forward: ``named_parameters()``
+    then yields full, plain tensors in place of the local shards. FSDP2's own ``state_dict()``
+    reshards first for the same reason; resharding an already sharded module does nothing.
+    """
+    for module in modules:
+        module.reshard()
+
+
 class TrainingState:
     """The live objects whose bytes make up one rank's snapshot.
 
@@ -268,6 +282,7 @@ class TrainingState:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         fresh = optimizer is not None and not optimizer.state
         if fresh:
@@ -289,6 +304,7 @@ class TrainingState:
 
     def _named_live(self) -> list[tuple[str, torch.Tensor]]:
         """(entry name, live tensor) in layout order, RNG entries excluded."""
+        _reshard(self._fsdp_modules)
         out: list[tuple[str, torch.Tensor]] = []
         names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         for name, p in self.model.named_parameters():

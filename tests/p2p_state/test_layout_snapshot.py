@@ -192,6 +192,35 @@ def test_sharded_optimizer_state_is_allocated_as_the_optimizer_would(leave_no_gr
             assert not mine.to_local().any()
 
 
+@pytest.mark.parametrize("reshard_after_forward", [None, False])  # None: all but the root
+def test_a_snapshot_after_an_evaluation_holds_the_local_shards(
+    leave_no_group, reshard_after_forward
+):
+    # A forward under no_grad() (an evaluation in the step) leaves the modules that keep their
+    # parameters after forward (the root, by default) unsharded: the state must still read
+    # shards.
+    _init_default(dist.HashStore(), "fake", 0, 4, timedelta(seconds=30))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 13), torch.nn.Linear(13, 6))
+    fully_shard(model[0], reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainingState(model, opt)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    before = _live(state)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert unsharded, "the evaluation left every parameter sharded: this test shows nothing"
+    buf = _snapshot(state)
+    assert all(torch.equal(a, b) for a, b in zip(_live(state), before))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    restored = TrainingState(model, opt)
+    restored.restore(buf)
+    assert all(torch.equal(a, b) for a, b in zip(_live(restored), before))
+
+
 def test_layout_is_aligned_and_round_trips():
     _, _, _, state = _trained(torch.optim.AdamW)
     layout = state.layout

@@ -22,6 +22,13 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
   the optimizer of the example job and of ``user_train.py``, which the other recovery tests
   run under faults.)
 
+- ``accumulate.py``: three micro-batches a step whose gradients are reduced once
+  (``set_requires_gradient_sync``), activation checkpointing around blocks with dropout, AdamW
+  with two parameter groups (no decay on vectors), a ``LambdaLR`` closure, and an evaluation
+  under ``no_grad()`` inside the guard every third step (it leaves FSDP2's root unsharded
+  until the next forward: the snapshot of that step must still read the local shards). Faults
+  in a micro-batch's backward, in the forward and in an evaluation step's optimizer step.
+
 ``user_train.py`` (a ``Dataset`` of its own that augments from the global generators, through
 ``DatasetLoader``, an epoch ending within the run) is ``tests/test_bench_cli.py``'s.
 """
@@ -104,6 +111,17 @@ def test_global_rng_transformer_survives_a_fault_in_every_phase(tmp_path, capsys
     # A recovery of every rank per fault, each from the peers' copies, but the one the second
     # fault cut short.
     assert len({e["generation"] for e in done}) >= len(faults) - 1
+    assert {e["restored_from"] for e in done} == {"peers"}
+
+
+def test_accumulation_checkpointing_and_evaluation_survive_faults(tmp_path, capsys):
+    faults = (
+        "kill:rank=1@step=2:phase=backward",
+        "kill:rank=2@step=4:phase=forward",
+        "kill:rank=0@step=6:phase=optimizer",
+    )
+    section, done = _inject(tmp_path, capsys, "accumulate.py", 7, faults)
+    assert len(section["faults"]) == len(faults) and section["not_fired"] == []
     assert {e["restored_from"] for e in done} == {"peers"}
 
 

@@ -1,0 +1,122 @@
+"""A protected script with gradient accumulation, activation checkpointing and an evaluation.
+
+Written as larger FSDP2 jobs are: each block sharded and wrapped in activation checkpointing
+(``torch.utils.checkpoint`` without re-entrance, dropout inside, so the recomputation replays
+the forward's random masks), a step of ``--micro-batches`` micro-batches whose gradients are
+reduced once, in the last backward (``set_requires_gradient_sync``), AdamW with weight decay
+on the matrices only (two parameter groups, split by name), a warm-up-then-cosine schedule
+written as a ``LambdaLR`` closure, clipping, and an evaluation on held-out data every
+``--eval-every`` steps (``eval()``, ``no_grad()``, the metric averaged over the ranks, back to
+``train()``) inside the step's guard. Batches come from the global torch generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
+
+import p2p_state
+
+DIM, CLASSES = 32, 5
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.up = torch.nn.Linear(DIM, 2 * DIM)
+        self.down = torch.nn.Linear(2 * DIM, DIM)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(num_blocks))
+        self.head = torch.nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.training else block(x)
+        return self.head(x)
+
+
+def build(args: argparse.Namespace):
+    torch.manual_seed(0)
+    model = Net(args.blocks)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+    )
+    warmup = 3
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def evaluate(model: torch.nn.Module, held_out: tuple[torch.Tensor, torch.Tensor]) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = held_out
+        accuracy = (model(x).argmax(-1) == y).float().mean()
+        dist.all_reduce(accuracy)
+    model.train()
+    return accuracy.item() / dist.get_world_size()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--micro-batches", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=6)
+    p.add_argument("--eval-every", type=int, default=3)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    p2p_state.init_process_group()
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(99)
+    centres = torch.randn(CLASSES, DIM, generator=g)
+    held_out_y = torch.randint(0, CLASSES, (16,), generator=g)
+    held_out = (centres[held_out_y] + torch.randn(16, DIM, generator=g), held_out_y)
+    torch.manual_seed(500 + rank)
+    with p2p_state.protect(lambda: build(args), max_steps=args.steps) as job:
+        for step, _ in job:
+            with job.step():
+                for i in range(args.micro_batches):
+                    y = torch.randint(0, CLASSES, (args.micro_batch,))
+                    x = centres[y] + torch.randn(args.micro_batch, DIM)
+                    job.model.set_requires_gradient_sync(i == args.micro_batches - 1)
+                    loss = F.cross_entropy(job.model(x), y) / args.micro_batches
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=1.0)
+                job.optimizer.step()
+                job.scheduler.step()
+                job.optimizer.zero_grad(set_to_none=True)
+                if args.eval_every and step % args.eval_every == 0:
+                    accuracy = evaluate(job.model, held_out)
+                    if rank == 0:
+                        print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
