@@ -26,8 +26,10 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
   (``set_requires_gradient_sync``), activation checkpointing around blocks with dropout, AdamW
   with two parameter groups (no decay on vectors), a ``LambdaLR`` closure, and an evaluation
   under ``no_grad()`` inside the guard every third step (it leaves FSDP2's root unsharded
-  until the next forward: the snapshot of that step must still read the local shards). Faults
-  in a micro-batch's backward, in the forward and in an evaluation step's optimizer step.
+  until the next forward: the snapshot of that step must still read the local shards), and a
+  moving average of the weights kept in the model, sharded as its own unit, updated after every
+  step and evaluated too (decay 0.5, so that it moves visibly in 7 steps). Faults in a
+  micro-batch's backward, in the forward and in an evaluation step's optimizer step.
 
 ``user_train.py`` (a ``Dataset`` of its own that augments from the global generators, through
 ``DatasetLoader``, an epoch ending within the run) is ``tests/test_bench_cli.py``'s.
@@ -120,7 +122,9 @@ def test_accumulation_checkpointing_and_evaluation_survive_faults(tmp_path, caps
         "kill:rank=2@step=4:phase=forward",
         "kill:rank=0@step=6:phase=optimizer",
     )
-    section, done = _inject(tmp_path, capsys, "accumulate.py", 7, faults)
+    section, done = _inject(
+        tmp_path, capsys, "accumulate.py", 7, faults, script_args=("--average", "0.5")
+    )
     assert len(section["faults"]) == len(faults) and section["not_fired"] == []
     assert {e["restored_from"] for e in done} == {"peers"}
 

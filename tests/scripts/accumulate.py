@@ -8,11 +8,17 @@ on the matrices only (two parameter groups, split by name), a warm-up-then-cosin
 written as a ``LambdaLR`` closure, clipping, and an evaluation on held-out data every
 ``--eval-every`` steps (``eval()``, ``no_grad()``, the metric averaged over the ranks, back to
 ``train()``) inside the step's guard. Batches come from the global torch generator.
+
+With ``--average DECAY`` the model also keeps an exponential moving average of its weights, as
+image and diffusion models are trained: a copy of the network in the same module (so the
+engine carries it with the model's state), sharded as its own unit, never given to the
+optimizer, updated after each optimizer step, and evaluated beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 
 import torch
@@ -50,14 +56,36 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
+class Averaged(torch.nn.Module):
+    """The network trained and a moving average of its weights, kept in one module."""
+
+    def __init__(self, net: Net) -> None:
+        super().__init__()
+        self.net = net
+        self.average = copy.deepcopy(net).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @torch.no_grad()
+    def update_average(self, decay: float) -> None:
+        averages, weights = list(self.average.parameters()), list(self.net.parameters())
+        torch._foreach_lerp_(averages, weights, 1.0 - decay)
+
+
 def build(args: argparse.Namespace):
     torch.manual_seed(0)
-    model = Net(args.blocks)
-    for block in model.blocks:
+    net = Net(args.blocks)
+    model: torch.nn.Module = Averaged(net) if args.average else net
+    for block in net.blocks:
         fully_shard(block)
+    if args.average:
+        for block in model.average.blocks:
+            fully_shard(block)
+        fully_shard(model.average)
     fully_shard(model)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr,
@@ -90,6 +118,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=6)
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--average", type=float, default=0.0, help="decay of a weight average")
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
@@ -112,10 +141,14 @@ def main() -> None:
                 job.optimizer.step()
                 job.scheduler.step()
                 job.optimizer.zero_grad(set_to_none=True)
+                if args.average:
+                    job.model.update_average(args.average)
                 if args.eval_every and step % args.eval_every == 0:
-                    accuracy = evaluate(job.model, held_out)
+                    line = f"step {step}: held-out accuracy {evaluate(job.model, held_out):.3f}"
+                    if args.average:
+                        line += f", of the average {evaluate(job.model.average, held_out):.3f}"
                     if rank == 0:
-                        print(f"step {step}: held-out accuracy {accuracy:.3f}", flush=True)
+                        print(line, flush=True)
 
 
 if __name__ == "__main__":
