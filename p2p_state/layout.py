@@ -30,7 +30,8 @@ LAYOUT_FORMAT_VERSION = 1
 
 
 class LayoutMismatchError(ValueError):
-    """Two ranks' layouts disagree, so their bytes cannot be exchanged."""
+    """Two ranks' layouts disagree, so their bytes cannot be exchanged; or a rank's live tensors
+    no longer match the layout it was set up with."""
 
 
 def _align(n: int) -> int:

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from p2p_state.layout import StateLayout, dtype_from_name
+from p2p_state.layout import LayoutMismatchError, StateLayout, dtype_from_name
 
 if TYPE_CHECKING:
     from p2p_state.snapshot import HostStaging
@@ -379,7 +379,16 @@ class TrainingState:
                 "parameters or optimizer state were added after the engine was set up"
             )
         entries = [e for e in self.layout.entries if not e.name.startswith("rng/")]
-        return [(e.offset, v, t) for e, v, t in zip(entries, self.views(buffer), live) if v.numel()]
+        views = self.views(buffer)
+        for e, v, t in zip(entries, views, live):
+            if v.shape != t.shape or v.dtype != t.dtype:
+                raise LayoutMismatchError(
+                    f"{e.name} is now {t.dtype} {tuple(t.shape)} but the engine was set up with "
+                    f"{v.dtype} {tuple(v.shape)}: it changed shape or type after protect() began "
+                    "(a resized embedding, a cast model); make that change in the factory "
+                    "instead (it is called again after every recovery)"
+                )
+        return [(e.offset, v, t) for e, v, t in zip(entries, views, live) if v.numel()]
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of ``buffer`` for every non-RNG entry, in layout order.

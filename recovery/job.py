@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from p2p_state.layout import LayoutMismatchError
 from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery import phases
@@ -307,7 +308,10 @@ class ProtectedJob:
     def _finish_step(self, step: int) -> None:
         """Replicate (and checkpoint) the step just done; switch generation if a resize was
         agreed on."""
-        previous = self._copies.after_step(step, self._extras)
+        try:
+            previous = self._copies.after_step(step, self._extras)
+        except LayoutMismatchError as e:  # the loop changed the model: every rank does
+            raise ConfigurationError(str(e)) from None
         self.step_done = step
         self._log.step_done(step, dist.get_rank())
         if previous is None:

@@ -97,6 +97,13 @@ def test_restore_puts_exact_bytes_back_in_place(optimizer_cls, kwargs):
     assert [id(p) for p in model.parameters()] == ids
 
 
+def test_a_tensor_changed_after_set_up_is_named():
+    model, _, _, state = _trained(torch.optim.AdamW)
+    model.double()
+    with pytest.raises(LayoutMismatchError, match=r"^param/\S+ is now torch.float64 .* set up"):
+        _snapshot(state)
+
+
 def test_fresh_optimizer_is_left_untouched_and_restore_builds_its_state():
     _, _, _, trained = _trained(torch.optim.AdamW)
     buf = _snapshot(trained)

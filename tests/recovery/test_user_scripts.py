@@ -174,3 +174,20 @@ def test_a_bug_of_the_script_ends_the_job_with_its_error_named(tmp_path):
     assert f"exited with code 1: {cause} (traceback: " in err
     (last,) = [line for line in err.splitlines() if line.startswith("p2p-run: the job failed")]
     assert cause in last and "--max-restarts 1" in last
+
+
+def test_a_model_changed_inside_the_loop_ends_the_job_with_one_line(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "user_train.py"
+    run = [sys.executable, "-m", "launcher.cli", "--run-dir", str(tmp_path / "run")]
+    r = subprocess.run(
+        [*run, "--standalone", "--nproc-per-node", "2", str(script), "--cast-at", "2"],
+        capture_output=True,
+        timeout=120,
+    )
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    assert "Traceback" not in err
+    (last,) = [line for line in err.splitlines() if line.startswith("p2p-run: ")]
+    assert last.startswith("p2p-run: the job failed: "), last
+    assert "param/0.weight is now torch.float64 (32, 24) but the engine was set up with" in last
+    assert "make that change in the factory" in last

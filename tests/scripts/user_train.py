@@ -10,7 +10,9 @@ smoothing, dropout, AdamW, gradient clipping. ``--log-every N`` prints the loss 
 the ranks (an ``all_reduce``) every N steps, inside the step's guard, or after it with
 ``--log-outside`` (the mistake the engine warns of), over a group ``build`` makes with
 ``--log-group``. ``--bug-at N`` raises a ``ValueError`` on
-every rank in step N: a bug of the script's, the same however often it is run.
+every rank in step N: a bug of the script's, the same however often it is run; ``--cast-at N``
+casts the model to float64 in step N, after its optimizer step (a change the engine cannot
+carry: the model is changed in the factory).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     p.add_argument("--log-group", action="store_true")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--bug-at", type=int, default=-1)
+    p.add_argument("--cast-at", type=int, default=-1)
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
@@ -100,6 +103,8 @@ def main() -> None:
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=1.0)
                 job.optimizer.step()
                 job.optimizer.zero_grad()
+                if step == args.cast_at:
+                    job.model.double()
                 if logging and not args.log_outside:
                     log(step, loss)
             if logging and args.log_outside:
