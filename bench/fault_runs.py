@@ -84,6 +84,13 @@ def add_job_arguments(p: argparse.ArgumentParser, *, steps: int, checkpoint_ever
         default=1,
         help="replication factor k of the engine's run (p2p-run --replicas; default 1)",
     )
+    p.add_argument(
+        "--replicate-every",
+        type=count(1),
+        default=1,
+        help="steps between replicated states of the engine's run (p2p-run --replicate-every; "
+        "default 1)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of --random")
     p.add_argument(
         "--checkpoint-every",
@@ -273,6 +280,7 @@ def run_checkpointless(
             run_example, model=args.model, steps=args.steps, cache_dir=str(work / "cache")
         )
     launcher = ["--replicas", str(getattr(args, "replicas", 1))]
+    launcher += ["--replicate-every", str(getattr(args, "replicate_every", 1))]
     if args.checkpoint_every:
         # The cold fallback for a shard lost with every copy of it: by design (kill-buddies),
         # or by faults close together (a rank and its holders within one recovery).

@@ -133,6 +133,13 @@ class RunOptions:
         help="this node's address as the other nodes reach it, as torchrun's: a standby "
         "coordinator started here is announced there (default: this host's name)",
     )
+    replicate_every: int = setting(
+        1,
+        flag="--replicate-every",
+        help="replicate the state after every Nth step (default {default}): a recovery then "
+        "redoes up to N-1 more steps; a loop that steps its optimizer every N iterations needs "
+        f"it ({protocol.ENV_REPLICATE_EVERY})",
+    )
     checkpoint_dir: str | None = setting(
         None,
         flag="--checkpoint-dir",
@@ -212,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, CoordinatorConfig, "takeover_timeout_s")
     add_flags(p, slurm.Flags, "run_dir", "job_id")
     add_flags(p, MembershipConfig, "replicas")
+    add_flags(p, RunOptions, "replicate_every")
     elastic = p.add_argument_group(
         "elastic jobs", "let the job shrink after a fault with no spare, and grow into spares"
     )
@@ -400,6 +408,8 @@ def _validate(args: argparse.Namespace, script: bool = True) -> None:
         raise UsageError("--lazy-gloo and --eager-gloo contradict each other: give one of them")
     if args.checkpoint_every < 1:
         raise UsageError("--checkpoint-every must be >= 1")
+    if args.replicate_every < 1:
+        raise UsageError("--replicate-every must be >= 1")
     standby_nodes(args.standby_coordinators, args.nnodes)
     visible = visible_devices()
     slots = args.nproc_per_node + args.spares
@@ -611,6 +621,7 @@ def _engine_env(args: argparse.Namespace) -> dict[str, str]:
         "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
         "ROLE_NAME": args.role,
         protocol.ENV_REPLICAS: str(args.replicas),
+        protocol.ENV_REPLICATE_EVERY: str(args.replicate_every),
     }
     if args.checkpoint_dir:
         env[protocol.ENV_CHECKPOINT_DIR] = args.checkpoint_dir

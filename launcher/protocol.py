@@ -79,6 +79,8 @@ ENV_AGENT_FD = "P2P_AGENT_FD"
 # The engine settings p2p-run passes to ranks (``p2p_state.protect``'s defaults).
 ENV_REPLICAS = "P2P_REPLICAS"
 """Replication factor k of the data plane (``--replicas``)."""
+ENV_REPLICATE_EVERY = "P2P_REPLICATE_EVERY"
+"""Steps between the states replicated to the buddies (``--replicate-every``)."""
 ENV_CHECKPOINT_DIR = "P2P_CHECKPOINT_DIR"
 """Directory or fsspec URL of the cold DCP checkpoints (``--checkpoint-dir``)."""
 ENV_CHECKPOINT_EVERY = "P2P_CHECKPOINT_EVERY"

@@ -49,6 +49,7 @@ from launcher.protocol import (
     ENV_COORDINATOR,
     ENV_LAZY_GLOO,
     ENV_REPLICAS,
+    ENV_REPLICATE_EVERY,
     ENV_RESUME,
 )
 from p2p_state.config import ReplicationConfig
@@ -291,6 +292,8 @@ def config_from_env() -> RecoveryConfig:
     replication = ReplicationConfig()
     if ENV_REPLICAS in env:
         replication = replace(replication, k=int(env[ENV_REPLICAS]))
+    if ENV_REPLICATE_EVERY in env:
+        replication = replace(replication, interval_steps=int(env[ENV_REPLICATE_EVERY]))
     return RecoveryConfig(
         replication=replication,
         checkpoint=checkpoint,

@@ -197,9 +197,13 @@ class ColdCheckpointer:
         self.save(step, extras, blocking=not complete)
         return True
 
+    def due(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` saves ``step`` (a multiple of ``every_steps``)."""
+        return step % self.config.every_steps == 0
+
     def maybe_save(self, step: int, extras: Any = None) -> bool:
         """Save if ``step`` is a multiple of ``every_steps``; returns whether it did."""
-        if step % self.config.every_steps:
+        if not self.due(step):
             return False
         self.save(step, extras)
         return True

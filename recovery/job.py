@@ -39,6 +39,7 @@ from p2p_state.replicator import Replicator
 from p2p_state.state import TrainingState
 from recovery import phases
 from recovery import stateful as stateful_objects
+from recovery.accumulation import CarriedGradients
 from recovery.checkpoint import ColdCheckpointer
 from recovery.comms import Interrupted
 from recovery.config import RecoveryConfig
@@ -130,6 +131,9 @@ class ProtectedJob:
         self._current: int | None = None
         """The step the iterator yielded and whose guard has not ended yet."""
         self._unguarded = UnguardedCollectives(self._engine_groups)
+        self._carried = CarriedGradients()
+        self._captured_stateful: dict[str, Any] = {}
+        """The ``stateful`` objects' states captured last (with the step's extras)."""
 
     def _engine_groups(self) -> list[dist.ProcessGroup]:
         """The process groups the engine made for this generation (not the default one)."""
@@ -268,6 +272,7 @@ class ProtectedJob:
             raise RuntimeError("job.step() belongs inside `for step, batch in job:`")
         step = self._current
         self._unguarded.guarded(self.step_done)
+        self._carried.step_began()
         fault = None
         try:
             yield
@@ -293,7 +298,7 @@ class ProtectedJob:
         if self.loader is not None:
             extras["loader"] = self.loader.state_dict()
         if self.stateful:
-            extras["stateful"] = stateful_objects.capture(self.stateful)
+            extras["stateful"] = self._captured_stateful = stateful_objects.capture(self.stateful)
         return extras
 
     def _apply_extras(self, extras: dict[str, Any]) -> None:
@@ -308,10 +313,13 @@ class ProtectedJob:
     def _finish_step(self, step: int) -> None:
         """Replicate (and checkpoint) the step just done; switch generation if a resize was
         agreed on."""
+        kept = self._copies.keeps(step)
         try:
             previous = self._copies.after_step(step, self._extras)
         except LayoutMismatchError as e:  # the loop changed the model: every rank does
             raise ConfigurationError(str(e)) from None
+        assert self.model is not None  # built before the first step
+        self._carried.step_ended(step, self.model, kept, self._captured_stateful)
         self.step_done = step
         self._log.step_done(step, dist.get_rank())
         if previous is None:
@@ -343,6 +351,7 @@ class ProtectedJob:
 
     def _take(self, built: Built) -> TrainingState:
         self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
+        self._carried.watch(built.optimizer)
         self.state = built.state
         return built.state
 

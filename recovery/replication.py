@@ -162,6 +162,11 @@ class JobReplication:
         )
         rep.replicate(step, extras)
 
+    def keeps(self, step: int) -> bool:
+        """Whether the state of ``step`` is replicated or checkpointed (see :meth:`after_step`)."""
+        rep, ckpt = self.replicator, self.checkpointer
+        return (rep is not None and rep.due(step)) or (ckpt is not None and ckpt.due(step))
+
     def after_step(self, step: int, extras: Callable[[], dict[str, Any]]) -> int | None:
         """Replicate and checkpoint ``step`` (when due).
 

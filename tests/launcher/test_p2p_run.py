@@ -257,6 +257,7 @@ def _run_cli(*args, timeout=60):
         (["--node-rank", "1", "--nnodes", "2", WORKER], "need --coordinator"),
         (["--coordinator", "nohost", WORKER], "is not host:port"),
         (["--max-restarts", "-1", WORKER], "--max-restarts must be >= 0"),
+        (["--replicate-every", "0", WORKER], "--replicate-every must be >= 1"),
         (["--standby-coordinators", "0", WORKER], "node 0 runs the active coordinator"),
         (["--external-coordinator", WORKER], "--external-coordinator needs --coordinator"),
     ],

@@ -29,7 +29,9 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
   until the next forward: the snapshot of that step must still read the local shards), and a
   moving average of the weights kept in the model, sharded as its own unit, updated after every
   step and evaluated too (decay 0.5, so that it moves visibly in 7 steps). Faults in a
-  micro-batch's backward, in the forward and in an evaluation step's optimizer step.
+  micro-batch's backward, in the forward and in an evaluation step's optimizer step. With
+  ``--step-every 2`` the same script accumulates across steps instead (an update every second
+  step): exact with ``--replicate-every 2``, warned of (and not exact) without.
 
 ``user_train.py`` (a ``Dataset`` of its own that augments from the global generators, through
 ``DatasetLoader``, an epoch ending within the run) is ``tests/test_bench_cli.py``'s.
@@ -51,9 +53,13 @@ from recovery.checkpoint import complete_steps
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+#: The warning of gradients carried across steps into a kept state (recovery/accumulation.py).
+CARRIED = "ended with gradients but without an optimizer step"
 
 
-def _inject(tmp_path: Path, capsys, script: str, steps: int, faults, *flags, script_args=()):
+def _run(tmp_path: Path, capsys, script: str, steps: int, faults, *flags, script_args=()):
+    """``p2p-bench inject`` of ``script``: its exit code, JSON summary and the p2p-run logs of
+    the run with the faults (the reference runs with p2p-run's defaults)."""
     argv = ["inject", "--script", str(SCRIPTS / script), "--steps", str(steps)]
     for fault in faults:
         argv += ["--fault", fault]
@@ -75,13 +81,24 @@ def _inject(tmp_path: Path, capsys, script: str, steps: int, faults, *flags, scr
     ]
     code = main(argv)
     summary = json.loads(capsys.readouterr().out)
+    run_dir = tmp_path / "work" / "checkpointless"
+    logs = "".join(log.read_text() for log in run_dir.rglob("p2p-run-*.log"))
+    return code, summary, logs
+
+
+def _inject(tmp_path: Path, capsys, script: str, steps: int, faults, *flags, script_args=()):
+    """:func:`_run`, which must end bitwise equal to the run without faults, with no warning
+    of the loop's shape."""
+    code, summary, logs = _run(
+        tmp_path, capsys, script, steps, faults, *flags, script_args=script_args
+    )
     section = summary["modes"]["checkpointless"]
     assert code == 0, (section.get("error"), section.get("differences"))
     assert summary["bitwise_equal"] is True, section["differences"]
     done = [e for e in read_events(Path(section["run_dir"])) if e["event"] == "recovery_done"]
     # Every collective of these loops is inside their guards: the engine must not say otherwise.
-    logs = "".join(log.read_text() for log in (tmp_path / "work").rglob("p2p-run-*.log"))
     assert logs and "outside `with job.step():`" not in logs
+    assert CARRIED not in logs
     return section, done
 
 
@@ -127,6 +144,36 @@ def test_accumulation_checkpointing_and_evaluation_survive_faults(tmp_path, caps
     )
     assert len(section["faults"]) == len(faults) and section["not_fired"] == []
     assert {e["restored_from"] for e in done} == {"peers"}
+
+
+def test_accumulation_across_steps_is_exact_when_only_updated_states_are_kept(tmp_path, capsys):
+    # An update every second step; --replicate-every 2 keeps only the states after an update.
+    # A fault between two updates and one in an update: each restores an updated state.
+    faults = ("kill:rank=1@step=3:phase=backward", "kill:rank=2@step=6:phase=optimizer")
+    section, done = _inject(
+        tmp_path,
+        capsys,
+        "accumulate.py",
+        8,
+        faults,
+        "--replicate-every",
+        "2",
+        script_args=("--step-every", "2"),
+    )
+    assert section["not_fired"] == [] and {e["step"] for e in done} == {2, 4}
+
+
+def test_accumulation_across_steps_is_warned_of_where_it_breaks_recovery(tmp_path, capsys):
+    # The same loop with every state kept: the state of step 5 lacks step 5's gradients, so
+    # the update redone in step 6 after the fault differs from the run without it.
+    faults = ("kill:rank=2@step=6:phase=optimizer",)
+    code, summary, logs = _run(
+        tmp_path, capsys, "accumulate.py", 8, faults, script_args=("--step-every", "2")
+    )
+    assert f"step 1 {CARRIED}" in logs and "--replicate-every N" in logs
+    assert logs.count(CARRIED) == 1  # once, by rank 0
+    assert code == 1 and summary["bitwise_equal"] is False
+    assert "final state differs" in " ".join(summary["modes"]["checkpointless"]["differences"])
 
 
 def test_checkpoints_complete_under_frequent_faults_and_serve_a_total_loss(tmp_path, capsys):

@@ -9,6 +9,10 @@ written as a ``LambdaLR`` closure, clipping, and an evaluation on held-out data 
 ``--eval-every`` steps (``eval()``, ``no_grad()``, the metric averaged over the ranks, back to
 ``train()``) inside the step's guard. Batches come from the global torch generator.
 
+With ``--step-every N`` a step is one micro-batch and the optimizer steps every N steps, the
+gradients accumulated across steps (``gradient_accumulation_steps`` as many loops have it): a
+state kept between two updates lacks the gradients, so it needs ``--replicate-every N``.
+
 With ``--average DECAY`` the model also keeps an exponential moving average of its weights, as
 image and diffusion models are trained: a copy of the network in the same module (so the
 engine carries it with the model's state), sharded as its own unit, never given to the
@@ -110,6 +114,22 @@ def evaluate(model: torch.nn.Module, held_out: tuple[torch.Tensor, torch.Tensor]
     return accuracy.item() / dist.get_world_size()
 
 
+def across_steps(job, step: int, args: argparse.Namespace, centres: torch.Tensor) -> None:
+    """One micro-batch per step, an update every ``--step-every`` steps (the gradients are
+    accumulated across steps, as loops with a ``gradient_accumulation_steps`` setting do)."""
+    y = torch.randint(0, CLASSES, (args.micro_batch,))
+    x = centres[y] + torch.randn(args.micro_batch, DIM)
+    update = step % args.step_every == 0
+    job.model.set_requires_gradient_sync(update)
+    loss = F.cross_entropy(job.model(x), y) / args.step_every
+    loss.backward()
+    if update:
+        torch.nn.utils.clip_grad_norm_(job.model.parameters(), max_norm=1.0)
+        job.optimizer.step()
+        job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
@@ -119,6 +139,7 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--average", type=float, default=0.0, help="decay of a weight average")
+    p.add_argument("--step-every", type=int, default=0, help="accumulate across N steps")
     args = p.parse_args()
     torch.set_num_threads(1)
     p2p_state.init_process_group()
@@ -130,6 +151,10 @@ def main() -> None:
     torch.manual_seed(500 + rank)
     with p2p_state.protect(lambda: build(args), max_steps=args.steps) as job:
         for step, _ in job:
+            if args.step_every:
+                with job.step():
+                    across_steps(job, step, args, centres)
+                continue
             with job.step():
                 for i in range(args.micro_batches):
                     y = torch.randint(0, CLASSES, (args.micro_batch,))
