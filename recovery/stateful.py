@@ -8,14 +8,24 @@ is carried with every snapshot and cold checkpoint, and put back with them on ev
 (survivors and spares alike), so the job goes on as if nothing had happened. Its state must be
 small: numbers, strings, lists, dicts and 0-dim tensors, as ``job.user_state``'s; tensors of
 state belong in the model or the optimizer's state, which are sharded and replicated as tensors.
+
+Random generators of the loop's own are given the same way, as they are: a ``torch.Generator``
+(a data order drawn with ``randperm(..., generator=g)``), a NumPy ``Generator`` (from
+``default_rng``) or ``RandomState``, a ``random.Random``. The engine restores the global
+generators by itself; a generator object of the script's is invisible to it, and one not
+carried keeps drawing from where the fault left it, so the steps redone after a recovery draw
+other numbers than the run without faults did.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -23,6 +33,75 @@ from p2p_state.state import pack_small
 from recovery.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
+
+
+class _TorchGenerator:
+    """A ``torch.Generator`` as a ``Stateful``: its state as bytes."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"torch_generator": self.generator.get_state().numpy().tobytes()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        data = bytearray(state["torch_generator"])
+        self.generator.set_state(torch.frombuffer(data, dtype=torch.uint8))
+
+
+class _NumpyGenerator:
+    """A NumPy ``Generator`` or ``RandomState`` as a ``Stateful``: its bit generator's state as
+    JSON (a PCG64 state holds 128-bit integers, which msgpack cannot carry)."""
+
+    def __init__(self, generator: np.random.Generator | np.random.RandomState) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.generator
+        state: Any = (
+            g.get_state(legacy=False)
+            if isinstance(g, np.random.RandomState)
+            else g.bit_generator.state
+        )
+        return {"numpy_generator": json.dumps(state, default=lambda a: a.tolist())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        loaded = json.loads(state["numpy_generator"])
+        if isinstance(self.generator, np.random.RandomState):
+            self.generator.set_state(loaded)
+        else:
+            self.generator.bit_generator.state = loaded
+
+
+class _PythonRandom:
+    """A ``random.Random`` as a ``Stateful``."""
+
+    def __init__(self, generator: random.Random) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss_next = self.generator.getstate()
+        return {"python_random": [version, list(internal), gauss_next]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss_next = state["python_random"]
+        self.generator.setstate((version, tuple(internal), gauss_next))
+
+
+def _adapted(name: str, obj: Any) -> Any:
+    """``obj``, or for a random generator an adapter giving it ``state_dict()``."""
+    if isinstance(obj, torch.Generator):
+        return _TorchGenerator(obj)
+    if isinstance(obj, (np.random.Generator, np.random.RandomState)):
+        return _NumpyGenerator(obj)
+    if isinstance(obj, random.SystemRandom):
+        raise TypeError(
+            f"protect(stateful={{{name!r}: ...}}): a random.SystemRandom draws from the "
+            "operating system and has no state to restore; use a seeded random.Random"
+        )
+    if isinstance(obj, random.Random):
+        return _PythonRandom(obj)
+    return obj
 
 
 def checked(objects: Mapping[str, Any] | None) -> dict[str, Stateful]:
@@ -39,15 +118,20 @@ def checked(objects: Mapping[str, Any] | None) -> dict[str, Stateful]:
             "protect(stateful=...) takes a dict of names to objects with state_dict() and "
             f"load_state_dict(), e.g. stateful={{'scaler': scaler}}; got a {type(objects).__name__}"
         )
-    for name, obj in objects.items():
+    out = {}
+    for name, given in objects.items():
         if not isinstance(name, str):
             raise TypeError(f"protect(stateful=...): the name {name!r} is not a string")
+        obj = _adapted(name, given)
         if not isinstance(obj, Stateful):
             raise TypeError(
                 f"protect(stateful={{{name!r}: ...}}): a {type(obj).__name__} has no "
-                "state_dict() and load_state_dict(); give an object that has both"
+                "state_dict() and load_state_dict(); give an object that has both, or a "
+                "random generator (torch.Generator, numpy Generator or RandomState, "
+                "random.Random)"
             )
-    return dict(objects)
+        out[name] = obj
+    return out
 
 
 def capture(objects: Mapping[str, Stateful]) -> dict[str, Any]:

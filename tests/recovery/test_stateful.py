@@ -7,7 +7,9 @@ fault-free run) is ``tests/recovery/test_user_scripts.py``'s ``mlp_scheduled.py 
 from __future__ import annotations
 
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +60,46 @@ def test_the_argument_is_checked_with_the_fix_named():
         stateful.checked({3: counter})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"stateful=\{'lr': \.\.\.\}\): a float has no state_dict"):
         stateful.checked({"lr": 0.1})
+
+
+def _draws(generator) -> list[float]:
+    if isinstance(generator, torch.Generator):
+        return torch.rand(4, generator=generator).tolist()
+    if isinstance(generator, random.Random):
+        return [generator.random(), generator.gauss(0.0, 1.0), generator.random()]
+    return [float(x) for x in generator.random(3)] + [float(generator.standard_normal())]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.Generator().manual_seed(5),
+        lambda: np.random.default_rng(5),
+        lambda: np.random.Generator(np.random.MT19937(5)),
+        lambda: np.random.RandomState(5),
+        lambda: random.Random(5),
+    ],
+    ids=["torch", "numpy-pcg64", "numpy-mt19937", "numpy-randomstate", "python"],
+)
+def test_a_generator_of_the_scripts_own_draws_again_what_it_drew_after_its_snapshot(make):
+    generator = make()
+    _draws(generator)  # a gauss() leaves a cached value in Python's state: carried too
+    objects = stateful.checked({"rng": generator})
+    stateful.check_small(objects)
+    carried = unpack_small(pack_small(stateful.capture(objects)))
+    expected = _draws(generator)
+    other = make()
+    _draws(other)
+    _draws(other)  # elsewhere in its sequence
+    stateful.restore(stateful.checked({"rng": other}), carried)
+    assert _draws(other) == expected
+    stateful.restore(objects, carried)  # the object given is the one restored
+    assert _draws(generator) == expected
+
+
+def test_a_generator_without_state_is_refused_with_the_fix_named():
+    with pytest.raises(TypeError, match=r"SystemRandom .* use a seeded random.Random"):
+        stateful.checked({"rng": random.SystemRandom()})
 
 
 def test_a_state_too_big_for_a_snapshot_is_refused_before_the_first_step():

@@ -24,7 +24,9 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
 
 - ``accumulate.py``: three micro-batches a step whose gradients are reduced once
   (``set_requires_gradient_sync``), activation checkpointing around blocks with dropout, AdamW
-  with two parameter groups (no decay on vectors), a ``LambdaLR`` closure, and an evaluation
+  with two parameter groups (no decay on vectors), a ``LambdaLR`` closure, batches drawn from
+  a ``torch.Generator`` and a NumPy ``default_rng`` of its own given as ``stateful`` (without
+  them carried the run is not bitwise), and an evaluation
   under ``no_grad()`` inside the guard every third step (it leaves FSDP2's root unsharded
   until the next forward: the snapshot of that step must still read the local shards), and a
   moving average of the weights kept in the model, sharded as its own unit, updated after every

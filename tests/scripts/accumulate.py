@@ -4,10 +4,12 @@ Written as larger FSDP2 jobs are: each block sharded and wrapped in activation c
 (``torch.utils.checkpoint`` without re-entrance, dropout inside, so the recomputation replays
 the forward's random masks), a step of ``--micro-batches`` micro-batches whose gradients are
 reduced once, in the last backward (``set_requires_gradient_sync``), AdamW with weight decay
-on the matrices only (two parameter groups, split by name), a warm-up-then-cosine schedule
+on the matrices only (two parameter groups), a warm-up-then-cosine schedule
 written as a ``LambdaLR`` closure, clipping, and an evaluation on held-out data every
 ``--eval-every`` steps (``eval()``, ``no_grad()``, the metric averaged over the ranks, back to
-``train()``) inside the step's guard. Batches come from the global torch generator.
+``train()``) inside the step's guard. Batches are drawn from a ``torch.Generator`` and a
+NumPy ``default_rng`` of the script's own, given to ``protect(stateful=...)``; dropout from
+the global generator.
 
 With ``--step-every N`` a step is one micro-batch and the optimizer steps every N steps, the
 gradients accumulated across steps (``gradient_accumulation_steps`` as many loops have it): a
@@ -25,6 +27,7 @@ import argparse
 import copy
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -114,11 +117,28 @@ def evaluate(model: torch.nn.Module, held_out: tuple[torch.Tensor, torch.Tensor]
     return accuracy.item() / dist.get_world_size()
 
 
-def across_steps(job, step: int, args: argparse.Namespace, centres: torch.Tensor) -> None:
+class Batches:
+    """Micro-batches near the class centres, drawn from generators of the script's own."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        g = torch.Generator().manual_seed(99)
+        self.centres = torch.randn(CLASSES, DIM, generator=g)
+        held_out_y = torch.randint(0, CLASSES, (16,), generator=g)
+        self.held_out = (self.centres[held_out_y] + torch.randn(16, DIM, generator=g), held_out_y)
+        self.size = size
+        self.order = torch.Generator().manual_seed(500 + rank)
+        self.spread = np.random.default_rng(700 + rank)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(0, CLASSES, (self.size,), generator=self.order)
+        x = self.centres[y] + torch.randn(self.size, DIM, generator=self.order)
+        return x * float(self.spread.uniform(0.5, 1.5)), y
+
+
+def across_steps(job, step: int, args: argparse.Namespace, batches: Batches) -> None:
     """One micro-batch per step, an update every ``--step-every`` steps (the gradients are
     accumulated across steps, as loops with a ``gradient_accumulation_steps`` setting do)."""
-    y = torch.randint(0, CLASSES, (args.micro_batch,))
-    x = centres[y] + torch.randn(args.micro_batch, DIM)
+    x, y = batches.next()
     update = step % args.step_every == 0
     job.model.set_requires_gradient_sync(update)
     loss = F.cross_entropy(job.model(x), y) / args.step_every
@@ -144,21 +164,21 @@ def main() -> None:
     torch.set_num_threads(1)
     p2p_state.init_process_group()
     rank = dist.get_rank()
-    g = torch.Generator().manual_seed(99)
-    centres = torch.randn(CLASSES, DIM, generator=g)
-    held_out_y = torch.randint(0, CLASSES, (16,), generator=g)
-    held_out = (centres[held_out_y] + torch.randn(16, DIM, generator=g), held_out_y)
-    torch.manual_seed(500 + rank)
-    with p2p_state.protect(lambda: build(args), max_steps=args.steps) as job:
+    batches = Batches(rank, args.micro_batch)
+    held_out = batches.held_out
+    torch.manual_seed(300 + rank)  # dropout
+    # The script's own generators are invisible to the engine: given as stateful, they are
+    # carried with every snapshot and drawn from again after a recovery as in a run without it.
+    generators = {"order": batches.order, "spread": batches.spread}
+    with p2p_state.protect(lambda: build(args), max_steps=args.steps, stateful=generators) as job:
         for step, _ in job:
             if args.step_every:
                 with job.step():
-                    across_steps(job, step, args, centres)
+                    across_steps(job, step, args, batches)
                 continue
             with job.step():
                 for i in range(args.micro_batches):
-                    y = torch.randint(0, CLASSES, (args.micro_batch,))
-                    x = centres[y] + torch.randn(args.micro_batch, DIM)
+                    x, y = batches.next()
                     job.model.set_requires_gradient_sync(i == args.micro_batches - 1)
                     loss = F.cross_entropy(job.model(x), y) / args.micro_batches
                     loss.backward()
