@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from recovery import comms as comms_mod
+from recovery.accumulation import CarriedGradients
 from recovery.comms import (
     ENV_NCCL_ASYNC_ERROR_HANDLING,
     GROUP_ENVIRONMENT,
@@ -234,6 +235,7 @@ def test_a_failed_step_s_frames_are_released_before_recovery() -> None:
         _current=7,
         step_done=6,
         _unguarded=UnguardedCollectives(),
+        _carried=CarriedGradients(),
         _session=types.SimpleNamespace(interrupted=False),
         _finish_step=lambda step: None,
         _decide=lambda e: Action.RECOVER,
