@@ -42,3 +42,10 @@ def leave_no_group():
     # Later tests in this process must not meet the fake worlds' meshes in DTensor's caches.
     _clear_sharding_prop_cache()
     comms._cached_places.clear()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """``p2p-bench``'s ``--reference-cache``: a module's runs of one job share its fault-free
+    run (the cache is keyed by the job: script, its arguments, steps, shape)."""
+    return ["--reference-cache", str(tmp_path_factory.mktemp("references"))]

@@ -177,12 +177,6 @@ def test_a_measurement_that_cannot_be_made_is_one_line_and_exit_code_1(capsys, m
 FAST = ["--model", "tiny", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "3"]
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """``--reference-cache``: the tests of one job share its fault-free run."""
-    return ["--reference-cache", str(tmp_path_factory.mktemp("references"))]
-
-
 def _inject(capsys, tmp_path, *argv):
     """``p2p-bench inject`` with its report in ``tmp_path/report``; the summary it printed."""
     return _run(

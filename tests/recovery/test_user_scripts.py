@@ -148,7 +148,9 @@ def test_accumulation_checkpointing_and_evaluation_survive_faults(tmp_path, caps
     assert {e["restored_from"] for e in done} == {"peers"}
 
 
-def test_accumulation_across_steps_is_exact_when_only_updated_states_are_kept(tmp_path, capsys):
+def test_accumulation_across_steps_is_exact_when_only_updated_states_are_kept(
+    tmp_path, capsys, references
+):
     # An update every second step; --replicate-every 2 keeps only the states after an update.
     # A fault between two updates and one in an update: each restores an updated state.
     faults = ("kill:rank=1@step=3:phase=backward", "kill:rank=2@step=6:phase=optimizer")
@@ -160,17 +162,20 @@ def test_accumulation_across_steps_is_exact_when_only_updated_states_are_kept(tm
         faults,
         "--replicate-every",
         "2",
+        *references,
         script_args=("--step-every", "2"),
     )
     assert section["not_fired"] == [] and {e["step"] for e in done} == {2, 4}
 
 
-def test_accumulation_across_steps_is_warned_of_where_it_breaks_recovery(tmp_path, capsys):
+def test_accumulation_across_steps_is_warned_of_where_it_breaks_recovery(
+    tmp_path, capsys, references
+):
     # The same loop with every state kept: the state of step 5 lacks step 5's gradients, so
     # the update redone in step 6 after the fault differs from the run without it.
     faults = ("kill:rank=2@step=6:phase=optimizer",)
     code, summary, logs = _run(
-        tmp_path, capsys, "accumulate.py", 8, faults, script_args=("--step-every", "2")
+        tmp_path, capsys, "accumulate.py", 8, faults, *references, script_args=("--step-every", "2")
     )
     assert f"step 1 {CARRIED}" in logs and "--replicate-every N" in logs
     assert logs.count(CARRIED) == 1  # once, by rank 0
