@@ -77,7 +77,6 @@ class CarriedGradients:
 
     def __init__(self) -> None:
         self._updated = False
-        self._scales: dict[str, float] = {}
         self.seen_at: int | None = None
         """The step that ended with gradients and no update (``None``: none seen)."""
 
@@ -93,7 +92,12 @@ class CarriedGradients:
         self._updated = False
 
     def step_ended(
-        self, step: int, model: torch.nn.Module, kept: bool, stateful: Mapping[str, Any]
+        self,
+        step: int,
+        model: torch.nn.Module,
+        kept: bool,
+        stateful_before: Mapping[str, Any],
+        stateful_after: Mapping[str, Any],
     ) -> None:
         """``step`` is done; warn (once) if it leaves gradients behind in a state that is kept.
 
@@ -101,14 +105,15 @@ class CarriedGradients:
             step: The step just done.
             model: The model trained.
             kept: Whether the state of ``step`` is replicated or checkpointed.
-            stateful: The states of ``protect(stateful=...)``'s objects captured for ``step``.
+            stateful_before: The states of ``protect(stateful=...)``'s objects before ``step``
+                (captured after the step before, or restored, or at the start).
+            stateful_after: Their states captured for ``step``.
         """
         updated, self._updated = self._updated, False
-        scales, previous = _scales(stateful), self._scales
-        self._scales = scales
         if updated or not kept or self.seen_at is not None:
             return
-        if any(scales[name] < previous.get(name, scales[name]) for name in scales):
+        before, after = _scales(stateful_before), _scales(stateful_after)
+        if any(after[name] < before.get(name, after[name]) for name in after):
             return  # a GradScaler skipped the update after an overflow
         if not _holds_gradients(model):
             return

@@ -133,7 +133,8 @@ class ProtectedJob:
         self._unguarded = UnguardedCollectives(self._engine_groups)
         self._carried = CarriedGradients()
         self._captured_stateful: dict[str, Any] = {}
-        """The ``stateful`` objects' states captured last (with the step's extras)."""
+        """The ``stateful`` objects' states as of the last step done (captured with its extras,
+        or restored)."""
 
     def _engine_groups(self) -> list[dist.ProcessGroup]:
         """The process groups the engine made for this generation (not the default one)."""
@@ -303,6 +304,7 @@ class ProtectedJob:
 
     def _apply_extras(self, extras: dict[str, Any]) -> None:
         self.user_state = dict(extras.get("user", {}))
+        self._captured_stateful = extras.get("stateful", {})
         if self.stateful:
             stateful_objects.restore(self.stateful, extras.get("stateful", {}))
         if self.loader is not None:
@@ -313,13 +315,13 @@ class ProtectedJob:
     def _finish_step(self, step: int) -> None:
         """Replicate (and checkpoint) the step just done; switch generation if a resize was
         agreed on."""
-        kept = self._copies.keeps(step)
+        kept, before = self._copies.keeps(step), self._captured_stateful
         try:
             previous = self._copies.after_step(step, self._extras)
         except LayoutMismatchError as e:  # the loop changed the model: every rank does
             raise ConfigurationError(str(e)) from None
         assert self.model is not None  # built before the first step
-        self._carried.step_ended(step, self.model, kept, self._captured_stateful)
+        self._carried.step_ended(step, self.model, kept, before, self._captured_stateful)
         self.step_done = step
         self._log.step_done(step, dist.get_rank())
         if previous is None:

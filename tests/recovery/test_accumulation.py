@@ -22,13 +22,13 @@ def _model_and_optimizer():
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _step(carried, model, optimizer, step, *, update, kept=True, stateful=None):
+def _step(carried, model, optimizer, step, *, update, kept=True, before=None, after=None):
     carried.step_began()
     model(torch.randn(3, 4)).sum().backward()
     if update:
         optimizer.step()
         optimizer.zero_grad()
-    carried.step_ended(step, model, kept, stateful or {})
+    carried.step_ended(step, model, kept, before or {}, after or {})
 
 
 def _warnings(caplog):
@@ -65,7 +65,7 @@ def test_a_loop_that_updates_every_step_is_never_noticed(caplog, zero_grad_first
             optimizer.step()
             if not zero_grad_first:
                 optimizer.zero_grad()
-            carried.step_ended(step, model, True, {})
+            carried.step_ended(step, model, True, {}, {})
     assert carried.seen_at is None and not _warnings(caplog)
 
 
@@ -74,15 +74,17 @@ def test_an_update_a_grad_scaler_skipped_is_told_apart(caplog):
     model, optimizer = _model_and_optimizer()
     carried = CarriedGradients()
     carried.watch(optimizer)
-    scaler = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "_growth_tracker": 0}
+    start = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "_growth_tracker": 0}
+    skipped = {**start, "scale": 32768.0}
     with caplog.at_level(logging.WARNING, logger="recovery.accumulation"):
-        _step(carried, model, optimizer, 1, update=True, stateful={"scaler": scaler})
-        skipped = {**scaler, "scale": 32768.0}
-        _step(carried, model, optimizer, 2, update=False, stateful={"scaler": skipped})
+        # The first step skipped (a high initial scale overflows): told from the start's scale.
+        _step(carried, model, optimizer, 1, update=False, before={"s": start}, after={"s": skipped})
         assert carried.seen_at is None
         # The same scale again with no update: not a skip.
-        _step(carried, model, optimizer, 3, update=False, stateful={"scaler": skipped})
-    assert carried.seen_at == 3 and len(_warnings(caplog)) == 1
+        _step(
+            carried, model, optimizer, 2, update=False, before={"s": skipped}, after={"s": skipped}
+        )
+    assert carried.seen_at == 2 and len(_warnings(caplog)) == 1
 
 
 def test_an_update_of_an_interrupted_step_does_not_count_for_its_redo():
@@ -110,5 +112,5 @@ def test_gradients_fsdp_keeps_unreduced_are_seen(leave_no_group):
     model.set_requires_gradient_sync(False)
     model(torch.randn(3, 4)).sum().backward()
     assert all(p.grad is None for p in model.parameters()), "this test would show nothing"
-    carried.step_ended(1, model, True, {})
+    carried.step_ended(1, model, True, {}, {})
     assert carried.seen_at == 1

@@ -16,7 +16,9 @@ single flipped bit is shown in ``tests/test_bench_cli.py``.
   persistent buffer, SGD with momentum under a warm-up-then-cosine LR schedule, clipping, a
   value in ``job.user_state``, fp16 autocast with a ``GradScaler`` given as ``stateful`` (its
   scale moves all through the run and overflowing steps are skipped: without the scaler's
-  state carried, the run is not bitwise and the optimizer-phase fault of step 8 never fires).
+  state carried, the run is not bitwise and the optimizer-phase fault of step 8 never fires),
+  the gradients zeroed at the start of each step (a step the scaler skips ends with gradients
+  and no update, which must not be warned of as an accumulation across steps).
   Run with a checkpoint every 5 steps and faults every 2-3 steps, ending with a rank and every
   holder of its shard killed together: the job resumes from a complete checkpoint. (AdamW is
   the optimizer of the example job and of ``user_train.py``, which the other recovery tests

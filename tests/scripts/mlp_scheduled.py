@@ -7,7 +7,9 @@ with momentum (``--optimizer``) under a warm-up-then-decay LR schedule; a count 
 which sets the clipping threshold, is kept in ``job.user_state`` (carried with every snapshot).
 With ``--amp fp16`` the forward runs under fp16 autocast with a ``torch.amp.GradScaler``
 given to ``protect()`` as ``stateful``: its scale starts high and grows every 3 steps, so steps
-overflow and are skipped, and the scale moves all through the run.
+overflow and are skipped, and the scale moves all through the run. The gradients are zeroed at
+the start of each step, as many scripts do, so a step the scaler skipped ends with gradients
+and no update (not an accumulation across steps: the engine must tell the two apart).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def main() -> None:
         for _step, batch in job:
             with job.step():
                 seen = job.user_state.get("samples_seen", 0)
+                job.optimizer.zero_grad()
                 with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
                     loss = (job.model(batch) - batch).pow(2).mean()
                 scaler.scale(loss).backward()
@@ -117,7 +120,6 @@ def main() -> None:
                 scaler.step(job.optimizer)
                 scaler.update()
                 job.scheduler.step()
-                job.optimizer.zero_grad()
                 job.user_state["samples_seen"] = seen + batch.shape[0]
 
 
